@@ -1,0 +1,46 @@
+"""pluggy hook specifications for the ``specgrammar`` project (entry-point group ``specgrammar``).
+
+A plugin is any module or object with functions named like the hooks below, decorated with ``hookimpl``::
+
+    from specgrammar_plugins import hookimpl
+
+    @hookimpl
+    def register_engines(register):
+        register("my-engine", MyEngine())
+
+and exposed in its ``pyproject.toml``::
+
+    [project.entry-points.specgrammar]
+    my_plugin = "my_package.my_module"
+
+The built-in engines, drafters and request parsers are registered by ``specgrammar_plugins.default_plugins``
+through these very hooks (no special path).  Plugins are loaded once, lazily, on first use; set
+``SPECGRAMMAR_PLUGINS`` to a comma-separated allowlist of entry-point names (empty string = none) to restrict them.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("specgrammar")
+hookimpl = pluggy.HookimplMarker("specgrammar")
+
+
+@hookspec
+def register_engines(register):
+    """Register grammar engines: call ``register(name, engine)`` where ``engine.compile(spec, tokenizer, options)``
+    returns a ``CompiledConstraint`` (see ``constraint.Engine``).  Called once, when an engine is first asked for."""
+
+
+@hookspec
+def register_drafters(register):
+    """Register drafter factories: ``register(name, factory)``; ``factory(**options) -> Drafter`` (see
+    ``drafters.Drafter``).  Names are what a request's ``specgrammar.drafters`` list refers to.  Called once."""
+
+
+@hookspec
+def register_request_parsers(register):
+    """Register request-field parsers: ``register(name, parser)``; ``parser(body: dict) -> ConstraintSpec | None``
+    reads an OpenAPI-style request body (``response_format``, ``regex``, ...) and returns the constraint it asks for,
+    or None when its fields are absent; it raises ``ConstraintError`` on malformed fields.  Parsers are tried in
+    registration order; the first non-None answer wins.  Called once."""
