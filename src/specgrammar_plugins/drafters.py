@@ -1,0 +1,233 @@
+"""Drafters: where draft tokens come from.
+
+A drafter extends a ``DraftBlock``: the block owns the request's matcher (advanced through the drafts and rolled
+back after verification), computes each position's grammar mask once (the verifier reuses it: mask once, use
+twice), and refuses any token its mask forbids, so a grammar-aware draft never proposes what the target must
+reject.  Every drafted token is verified by the target; nothing is injected past the verifier.
+
+- ``ForcedDrafter``: the tokens the grammar forces, and the tokenized jump-forward string (one-hot drafts).
+- ``ModelDrafter``: a small draft model through a ``ModelRunner``, sampling from the proposal law r (the same
+  transform as the target law, on the draft's logits).  ``blind=True`` drafts without the mask: only so that
+  benchmarks can reproduce the blind-draft problem (a grammar-invalid draft ends the block and is rejected).
+- ``ChainDrafter``: tries its drafters in order at every position (forced, then recipe, then model).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from .constraint import Matcher, full_mask, mask_allows, new_mask
+from .distributions import SamplingParams, log_law, sample
+
+
+class ModelRunner(Protocol):
+    """A model with a KV cache, as an adapter exposes it to the core.
+
+    tokens: the token ids whose keys/values the cache holds, in order.
+    vocab_size: the model's output width (logit row length).
+    """
+
+    vocab_size: int
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+
+    def forward(self, tokens: Sequence[int], logits_for: int | None = None) -> np.ndarray:
+        """Append ``tokens`` to the cache and return float logits [m, vocab_size] for the last ``m = logits_for``
+        of them (all of them when None; an empty array for 0)."""
+
+    def trim(self, n: int) -> None:
+        """Drop the last ``n`` tokens from the cache (O(1) where the host allows)."""
+
+
+class DraftBlock:
+    """One round's drafts: tokens, their proposal laws (None = one-hot) and sources, plus the masks (and tilts)
+    of every position, computed once here and reused by verification."""
+
+    def __init__(self, context: Sequence[int], matcher: Matcher | None, vocab_size: int, budget: int,
+                 stop_token_ids: Sequence[int] = (), tilt_fn: Callable[[Matcher], np.ndarray | None] | None = None):
+        self.context = context  # committed tokens (prompt + emitted) before the block
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.budget = budget
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.tilt_fn = tilt_fn
+        self.tokens: list[int] = []
+        self.laws: list[np.ndarray | None] = []
+        self.sources: list[str] = []
+        self.matched = 0  # drafts the matcher accepted (a blind draft it rejects is verified but not matched)
+        self.closed = False  # no more drafts (a stop token, a blind draft outside the grammar, or the budget)
+        self.masks = new_mask(vocab_size, rows=budget + 1) if matcher is not None else None
+        self.tilts: list[np.ndarray | None] = []
+        self._have_mask = -1
+        self.mask_ns = 0
+
+    # ---------------------------------------------------------------- the current position
+    @property
+    def position(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.closed or len(self.tokens) >= self.budget or (self.matcher is not None and self.matcher.is_terminated())
+
+    def sequence(self) -> list[int]:
+        return [*self.context, *self.tokens]
+
+    def mask(self) -> np.ndarray | None:
+        """The packed mask of the current position (None when unconstrained), computed once."""
+        if self.matcher is None:
+            return None
+        i = self.position
+        if self._have_mask < i:
+            t0 = time.perf_counter_ns()
+            if self.matcher.is_terminated() or self.closed:
+                self.masks[i] = full_mask(self.vocab_size)  # never sampled from: placeholder for an unused row
+            else:
+                self.matcher.fill_mask(self.masks[i])
+            if self.tilt_fn is not None:
+                self.tilts.append(self.tilt_fn(self.matcher))
+            self.mask_ns += time.perf_counter_ns() - t0
+            self._have_mask = i
+        return self.masks[i]
+
+    def tilt(self) -> np.ndarray | None:
+        if self.tilt_fn is None or self.matcher is None:
+            return None
+        self.mask()
+        return self.tilts[self.position]
+
+    def allows(self, token: int) -> bool:
+        m = self.mask()
+        return m is None or mask_allows(m, token)
+
+    # ---------------------------------------------------------------- adding drafts
+    def push(self, token: int, law: np.ndarray | None = None, source: str = "model", *, check: bool = True) -> bool:
+        """Append a draft. With ``check`` (grammar-aware), a token the mask forbids is refused (returns False).
+        With ``check=False`` (blind drafting) it is appended anyway and closes the block if the grammar rejects it."""
+        if self.done:
+            return False
+        token = int(token)
+        ok = self.allows(token)
+        if not ok and check:
+            return False
+        if self.matcher is not None:
+            if ok and self.matcher.accept(token):
+                self.matched += 1
+            else:
+                self.closed = True  # blind draft outside the grammar: the target will reject it
+        self.tokens.append(token)
+        self.laws.append(law)
+        self.sources.append(source)
+        if token in self.stop_token_ids:
+            self.closed = True
+        return True
+
+    def finish(self) -> tuple[np.ndarray | None, list[np.ndarray | None] | None]:
+        """Masks (and tilts) for all k+1 verification rows."""
+        if self.matcher is None:
+            return None, None
+        self.mask()  # the bonus position
+        n = len(self.tokens) + 1
+        return self.masks[:n], (self.tilts[:n] if self.tilt_fn is not None else None)
+
+
+class Drafter(Protocol):
+    """Proposes drafts for one request. ``extend`` pushes up to ``budget`` tokens onto the block and returns how
+    many it pushed (0 = nothing to propose here)."""
+
+    name: str
+
+    def extend(self, block: DraftBlock, budget: int) -> int: ...
+
+
+class ForcedDrafter:
+    """Tokens the grammar forces next, then the tokenized jump-forward string (each one a one-hot draft)."""
+
+    name = "forced"
+
+    def __init__(self, encode: Callable[[str], list[int]] | None = None):
+        self.encode = encode
+
+    def extend(self, block: DraftBlock, budget: int) -> int:
+        if block.matcher is None or budget <= 0:
+            return 0
+        forced = block.matcher.forced()
+        toks = list(forced.tokens)
+        if not toks and forced.text and self.encode is not None:
+            try:
+                toks = self.encode(forced.text.decode("utf-8"))
+            except UnicodeDecodeError:
+                toks = []
+        n = 0
+        for t in toks[:budget]:
+            if not block.push(t, None, "forced"):
+                break
+            n += 1
+        return n
+
+
+class ModelDrafter:
+    """A draft model behind a ``ModelRunner``: one token per call, from the proposal law r = law(draft logits,
+    the block's mask, the same sampling options).  Its cache follows the block's sequence by longest common prefix."""
+
+    name = "model"
+
+    def __init__(self, runner: ModelRunner, params: SamplingParams, rng: np.random.Generator, *, blind: bool = False,
+                 target_vocab_size: int | None = None):
+        self.runner = runner
+        self.params = params
+        self.rng = rng
+        self.blind = blind
+        self.width = target_vocab_size or runner.vocab_size
+        self.passes = 0
+        self._last: np.ndarray | None = None  # logits after runner.tokens[-1]
+
+    def _logits(self, seq: Sequence[int]) -> np.ndarray:
+        fed = self.runner.tokens
+        n = min(len(fed), len(seq))
+        lcp = 0
+        while lcp < n and fed[lcp] == seq[lcp]:
+            lcp += 1
+        if lcp == len(seq) == len(fed) and self._last is not None:
+            return self._last
+        if lcp == len(seq):
+            lcp -= 1
+        if len(fed) > lcp:
+            self.runner.trim(len(fed) - lcp)
+        logits = self.runner.forward(list(seq[lcp:]), logits_for=1)[-1]
+        self.passes += 1
+        self._last = logits
+        return logits
+
+    def extend(self, block: DraftBlock, budget: int) -> int:
+        if budget <= 0:
+            return 0
+        logits = np.asarray(self._logits(block.sequence()), dtype=np.float64)
+        if logits.shape[-1] < self.width:  # pad a narrower draft head to the target width
+            logits = np.concatenate([logits, np.full(self.width - logits.shape[-1], -np.inf)])
+        logits = logits[: self.width]
+        mask = None if self.blind else block.mask()
+        law = log_law(logits, mask, self.params, None if self.blind else block.tilt())
+        token = sample(law, self.rng)
+        pushed = block.push(token, law, "model", check=not self.blind)
+        return 1 if pushed else 0
+
+
+class ChainDrafter:
+    """Tries its drafters in order at each position: forced tokens, then recipes, then the model."""
+
+    name = "chain"
+
+    def __init__(self, drafters: Sequence[Drafter]):
+        self.drafters = list(drafters)
+
+    def extend(self, block: DraftBlock, budget: int) -> int:
+        for d in self.drafters:
+            n = d.extend(block, budget)
+            if n:
+                return n
+        return 0

@@ -1,0 +1,228 @@
+"""The speculative loop, for hosts that let us own decoding.
+
+    draft up to k (masks computed once, on the request's matcher) -> one target pass over [pending, d1..dk]
+    -> verify with the same masks -> commit the accepted drafts + one residual/bonus token
+    -> roll the matcher back to the committed prefix, trim the target cache (the draft cache follows by prefix).
+
+Invariants after every round: ``target.tokens == prompt + emitted[:-1]`` (the last committed token is pending,
+fed at the start of the next pass) and the matcher has accepted exactly the emitted tokens.  ``finalize()`` feeds
+the pending token so that the cache holds prompt + emitted.  With ``drafter=None`` this is plain constrained
+decoding: one target pass per token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from .constraint import CompiledConstraint, Matcher
+from .distributions import SamplingParams, log_law
+from .drafters import DraftBlock, Drafter, ModelRunner
+from .errors import ConstraintError
+from .verify import verify_block
+
+
+@dataclass
+class Stats:
+    """Per-request counters. Positions are 0-based within a draft block."""
+
+    prompt_tokens: int = 0
+    emitted: int = 0
+    rounds: int = 0
+    target_passes: int = 0
+    draft_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_by_pos: list[int] = field(default_factory=list)
+    accepted_by_pos: list[int] = field(default_factory=list)
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    mask_us: float = 0.0
+    target_s: float = 0.0
+    wall_s: float = 0.0
+    finish_reason: str | None = None
+
+    @property
+    def forced_tokens(self) -> int:
+        return self.accepted_by_source.get("forced", 0)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.emitted / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def passes_per_token(self) -> float:
+        return self.target_passes / self.emitted if self.emitted else 0.0
+
+    @property
+    def mask_us_per_token(self) -> float:
+        return self.mask_us / self.emitted if self.emitted else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items()}
+        d.update(forced_tokens=self.forced_tokens, acceptance=self.acceptance, tokens_per_pass=self.tokens_per_pass,
+                 passes_per_token=self.passes_per_token, mask_us_per_token=self.mask_us_per_token)
+        return d
+
+    def _count(self, block: DraftBlock, accepted: int) -> None:
+        for i, src in enumerate(block.sources):
+            while len(self.drafted_by_pos) <= i:
+                self.drafted_by_pos.append(0)
+                self.accepted_by_pos.append(0)
+            self.drafted_by_pos[i] += 1
+            self.drafted_by_source[src] = self.drafted_by_source.get(src, 0) + 1
+            if i < accepted:
+                self.accepted_by_pos[i] += 1
+                self.accepted_by_source[src] = self.accepted_by_source.get(src, 0) + 1
+        self.drafted += len(block.tokens)
+        self.accepted += accepted
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Tokens committed by one round (accepted drafts + the residual/bonus token)."""
+
+    tokens: tuple[int, ...]
+    finish_reason: str | None = None  # "stop" (EOS / grammar complete) | "length" | None while running
+
+
+class SpeculativeLoop:
+    """One request.  Iterate ``run()`` for commits; ``stats`` and ``emitted`` hold the outcome."""
+
+    def __init__(self, target: ModelRunner, prompt: Sequence[int], *, constraint: CompiledConstraint | None = None,
+                 matcher: Matcher | None = None, drafter: Drafter | None = None, k: int = 4,
+                 params: SamplingParams = SamplingParams(), max_tokens: int = 256, seed: int | None = None,
+                 stop_token_ids: Sequence[int] | None = None, rng: np.random.Generator | None = None,
+                 tilt_fn: Callable[[Matcher], np.ndarray | None] | None = None, max_k: int = 64):
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        if k < 0 or k > max_k:
+            raise ValueError(f"k (draft tokens per round) must be in [0, {max_k}], got {k}")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        self.target = target
+        self.prompt = list(prompt)
+        self.constraint = constraint
+        self.matcher = matcher if matcher is not None else (constraint.matcher() if constraint is not None else None)
+        self.drafter = drafter
+        self.k = k if drafter is not None else 0
+        self.params = params
+        self.max_tokens = max_tokens
+        self.rng = rng if rng is not None else np.random.default_rng(seed)
+        if stop_token_ids is None:
+            stop_token_ids = constraint.tokenizer.stop_token_ids if constraint is not None else ()
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.tilt_fn = tilt_fn
+        self.width = target.vocab_size
+        if constraint is not None and constraint.tokenizer.vocab_size < self.width:
+            raise ConstraintError(
+                f"the constraint was compiled for {constraint.tokenizer.vocab_size} tokens but the model outputs "
+                f"{self.width}: compile with TokenizerInfo.with_vocab_size({self.width})")
+        self.emitted: list[int] = []
+        self.stats = Stats(prompt_tokens=len(self.prompt))
+        self.finish_reason: str | None = None
+
+    # -------------------------------------------------------------------------------------------- helpers
+    def _prefill(self) -> None:
+        """Bring the target cache to prompt[:-1], reusing any common prefix it already holds."""
+        want = self.prompt[:-1]
+        have = list(self.target.tokens)
+        lcp = 0
+        n = min(len(have), len(want))
+        while lcp < n and have[lcp] == want[lcp]:
+            lcp += 1
+        if len(have) > lcp:
+            self.target.trim(len(have) - lcp)
+        if len(want) > lcp:
+            self.target.forward(want[lcp:], logits_for=0)
+
+    def _round(self) -> Commit:
+        remaining = self.max_tokens - len(self.emitted)
+        budget = min(self.k, remaining - 1)
+        block = DraftBlock([*self.prompt, *self.emitted], self.matcher, self.width, max(budget, 0),
+                           self.stop_token_ids, self.tilt_fn)
+        if self.drafter is not None and budget > 0:
+            while not block.done:
+                if self.drafter.extend(block, block.budget - len(block.tokens)) == 0:
+                    break
+        masks, tilts = block.finish()
+        pending = self.prompt[-1] if not self.emitted else self.emitted[-1]
+        t0 = time.perf_counter()
+        logits = np.asarray(self.target.forward([pending, *block.tokens]), dtype=np.float64)
+        self.stats.target_s += time.perf_counter() - t0
+        self.stats.target_passes += 1
+        tilt = None if tilts is None else np.stack([np.zeros(self.width) if t is None else t for t in tilts])
+        q = log_law(logits[:, : self.width], masks, self.params, tilt)
+        verdict = verify_block(block.tokens, q, block.laws, self.rng)
+        a = verdict.accepted
+        n = len(block.tokens)
+        self.stats.rounds += 1
+        self.stats._count(block, a)
+        self.stats.mask_us += block.mask_ns / 1e3
+        # roll back the matcher to the committed prefix and the target cache to prompt + committed[:-1]
+        if self.matcher is not None:
+            self.matcher.rollback(min(block.matched, n) - min(a, block.matched))
+        if n - a:
+            self.target.trim(n - a)
+        new = list(block.tokens[:a])
+        last_is_stop = bool(new) and new[-1] in self.stop_token_ids
+        if not last_is_stop and not (a == n and self.matcher is not None and self.matcher.is_terminated()):
+            new.append(verdict.token)
+            if self.matcher is not None:
+                t0 = time.perf_counter_ns()
+                if not self.matcher.accept(verdict.token):  # the law only puts mass on allowed tokens
+                    raise RuntimeError(f"internal error: verified token {verdict.token} rejected by the matcher")
+                self.stats.mask_us += (time.perf_counter_ns() - t0) / 1e3
+        else:
+            # the block ended with a stop token (or a complete grammar) that was accepted: the bonus is not used;
+            # the target pass fed it, so drop it from the cache (it was the pending token's successor)
+            pass
+        self.emitted.extend(new)
+        finish = None
+        if new and new[-1] in self.stop_token_ids:
+            finish = "stop"
+        elif self.matcher is not None and self.matcher.is_terminated():
+            finish = "stop"
+        elif len(self.emitted) >= self.max_tokens:
+            finish = "length"
+        return Commit(tuple(new), finish)
+
+    # -------------------------------------------------------------------------------------------- API
+    def run(self) -> Iterator[Commit]:
+        t0 = time.perf_counter()
+        self._prefill()
+        try:
+            while True:
+                c = self._round()
+                self.stats.emitted = len(self.emitted)
+                if c.finish_reason is not None:
+                    self.finish_reason = self.stats.finish_reason = c.finish_reason
+                yield c
+                if c.finish_reason is not None:
+                    return
+        finally:
+            self.stats.wall_s = time.perf_counter() - t0
+
+    def generate(self) -> list[int]:
+        for _ in self.run():
+            pass
+        return self.emitted
+
+    def finalize(self) -> None:
+        """Feed the pending (last emitted) token so the target cache holds exactly prompt + emitted."""
+        if self.emitted and len(self.target.tokens) == len(self.prompt) + len(self.emitted) - 1:
+            self.target.forward([self.emitted[-1]], logits_for=0)
+
+
+def generate(target: ModelRunner, prompt: Sequence[int], **kw) -> tuple[list[int], Stats]:
+    """Run one request to the end; returns (emitted tokens, stats)."""
+    loop = SpeculativeLoop(target, prompt, **kw)
+    out = loop.generate()
+    return out, loop.stats
