@@ -41,3 +41,35 @@ def register_engines(register):
     register("outlines_core", LazyEngine("outlines_core", ".engines.outlines_core_engine", "OutlinesCoreEngine",
                                          "outlines-core"))
     register("dfa", LazyEngine("dfa", ".engines.dfa", "DFAEngine", "interegular"))
+
+
+def _forced(ctx):
+    from .drafters import ForcedDrafter
+
+    return ForcedDrafter(ctx.tokenizer.encode if ctx.tokenizer is not None else None)
+
+
+def _model(ctx):
+    from .drafters import ModelDrafter
+
+    if ctx.draft_runner is None:
+        return None
+    return ModelDrafter(ctx.draft_runner, ctx.params, ctx.rng, blind=ctx.blind, target_vocab_size=ctx.target_vocab_size)
+
+
+def _recipe(ctx):
+    return None  # recipe packs: see recipes.py (issue 7); no pack, no drafts
+
+
+@hookimpl
+def register_drafters(register):
+    register("forced", _forced)
+    register("recipe", _recipe)
+    register("model", _model)
+
+
+@hookimpl
+def register_request_parsers(register):
+    from .requests import parse_openai
+
+    register("openai", parse_openai)

@@ -231,3 +231,38 @@ class ChainDrafter:
             if n:
                 return n
         return 0
+
+
+class DraftContext:
+    """What drafter factories get to build one request's drafter (see ``hookspecs.register_drafters``)."""
+
+    def __init__(self, *, tokenizer=None, params: SamplingParams = SamplingParams(), rng: np.random.Generator | None = None,
+                 draft_runner: ModelRunner | None = None, target_vocab_size: int | None = None, recipe=None,
+                 blind: bool = False, options: dict | None = None):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.rng = rng if rng is not None else np.random.default_rng()
+        self.draft_runner = draft_runner
+        self.target_vocab_size = target_vocab_size
+        self.recipe = recipe
+        self.blind = blind
+        self.options = options or {}
+
+
+def build_chain(names: Sequence[str], ctx: DraftContext) -> Drafter | None:
+    """The drafter chain for one request, from registered factories, in the order named. Factories that have
+    nothing to work with (no draft model, no recipe pack) return None and are left out."""
+    from .errors import RequestError
+    from .plugins import drafters as registered
+
+    reg = registered()
+    out: list[Drafter] = []
+    for name in names:
+        if name not in reg:
+            raise RequestError(f"unknown drafter {name!r}; available: {', '.join(sorted(reg))}")
+        d = reg[name](ctx)
+        if d is not None:
+            out.append(d)
+    if not out:
+        return None
+    return out[0] if len(out) == 1 else ChainDrafter(out)

@@ -28,3 +28,7 @@ class TokenizerMismatchError(ConstraintError):
 
 class EmptyMaskError(ConstraintError):
     """No token is allowed at some position: the constraint cannot be continued (or the mask was filtered empty)."""
+
+
+class RequestError(SpecGrammarError, ValueError):
+    """A request option is malformed (unknown drafter, bad k, ...). Servers answer HTTP 400."""
