@@ -12,7 +12,7 @@ echo "[setup] creating $VENV and installing (first run: ~10 minutes; llama-cpp-p
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip setuptools wheel
 # torch must be the CPU build: an unpinned torch (or a package pulling one) downloads GBs of CUDA wheels.
-$PIP install -q "torch==2.13.0+cpu" 2>/dev/null || $PIP install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+$PIP install -q "torch==2.13.0+cpu"
 # llama-cpp-python has no wheel on PyPI: a portable AVX2 build without the multimodal library (see docs/hosts).
 export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF}" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
 $PIP install -q "torch==2.13.0" -e ".[dev,train,mlx,llama-cpp,vllm]"
