@@ -1,0 +1,1 @@
+"""Adapter package; the host is imported lazily by its modules."""
