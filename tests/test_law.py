@@ -153,3 +153,26 @@ def test_greedy_verification_is_deterministic_argmax():
         assert (v.accepted, v.token) == (2, int(best[2]))
     v = verify_block(list(best[:3]), q, None, rng)
     assert (v.accepted, v.token, v.residual) == (3, int(best[3]), False)
+
+
+def test_temperature_last_is_llama_cpp_order():
+    """``temperature_last``: top-k -> top-p -> min-p on the untempered logits, then temperature (llama.cpp)."""
+    rng = np.random.default_rng(5)
+    z = rng.normal(size=(6, 40)) * 2.0
+    p = SamplingParams(temperature=0.5, top_k=20, top_p=0.8, min_p=0.05, temperature_last=True)
+    got = np.exp(log_law(z, None, p))
+    for row, g in zip(z, got):
+        keep = np.zeros(40, dtype=bool)
+        keep[np.argsort(-row)[:20]] = True  # top-k
+        pr = np.where(keep, np.exp(row - row.max()), 0.0)
+        pr /= pr.sum()
+        order = np.argsort(-pr)
+        before = np.cumsum(pr[order]) - pr[order]
+        keep[order[before >= 0.8]] = False  # top-p: keep tokens until the mass reaches p
+        keep &= row >= row[keep].max() + np.log(0.05)  # min-p relative to the best logit
+        want = np.where(keep, np.exp((row - row.max()) / 0.5), 0.0)
+        np.testing.assert_allclose(g, want / want.sum(), atol=1e-12)
+    # no filters: the order does not matter
+    plain = SamplingParams(temperature=0.7)
+    np.testing.assert_allclose(log_law(z, None, plain),
+                               log_law(z, None, SamplingParams(temperature=0.7, temperature_last=True)))

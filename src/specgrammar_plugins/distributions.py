@@ -1,6 +1,7 @@
 """The ONE transform from logits to a sampling law, in log space.
 
     logits -> grammar mask -> cost tilt (subtract lambda*Delta) -> temperature -> top-k -> top-p -> min-p -> log-probs
+    (or, with ``temperature_last``, llama.cpp's order: ... -> top-k -> top-p -> min-p -> temperature -> log-probs)
 
 The target law q_lambda and the proposal law r_lambda are this function applied to two models' logits with the
 same mask, tilt and options.  Greedy (temperature 0) is the limit: a one-hot law on the first argmax of the masked,
@@ -27,6 +28,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
+    # False: temperature, then top-k/top-p/min-p on the tempered law (vLLM, mlx-lm).  True: top-k/top-p/min-p on
+    # the untempered logits, temperature last (llama.cpp's sampler chain: top_k -> top_p -> min_p -> temp -> dist).
+    temperature_last: bool = False
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -81,7 +85,15 @@ def log_law(logits: np.ndarray, mask: np.ndarray | None = None, params: Sampling
         out = np.full_like(z, NEG_INF)
         out[np.arange(z.shape[0]), np.argmax(z, axis=-1)] = 0.0
         return out
-    z = z / params.temperature
+    if params.temperature_last:
+        keep = np.isfinite(_filter(z, params))
+        return _log_softmax(np.where(keep, z / params.temperature, NEG_INF))
+    return _filter(z / params.temperature, params)
+
+
+def _filter(z: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """top-k -> top-p -> min-p on logits rows ``z``; returns normalized log-probs (-inf where filtered)."""
+    v = z.shape[-1]
     if params.top_k and params.top_k < v:
         kth = np.partition(z, v - params.top_k, axis=-1)[:, v - params.top_k][:, None]
         z = np.where(z >= kth, z, NEG_INF)
