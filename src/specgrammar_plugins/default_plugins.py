@@ -73,3 +73,28 @@ def register_request_parsers(register):
     from .requests import parse_openai
 
     register("openai", parse_openai)
+
+
+def _regular_cost(compiled, token_cost=None):
+    from .cost import RegularCost
+
+    return RegularCost(compiled.spec, compiled.tokenizer, token_cost)
+
+
+def _structural_cost(compiled, token_cost=None, prop_cost=3.0):
+    from .cost import StructuralCost
+
+    return StructuralCost(compiled.tokenizer, compiled.spec, prop_cost=prop_cost, token_cost=token_cost)
+
+
+def _auto_cost(compiled, token_cost=None):
+    from .cost import cost_model_for
+
+    return cost_model_for(compiled, token_cost)
+
+
+@hookimpl
+def register_cost_models(register):
+    register("auto", _auto_cost)
+    register("regular", _regular_cost)
+    register("structural", _structural_cost)

@@ -48,8 +48,11 @@ class DraftBlock:
     of every position, computed once here and reused by verification."""
 
     def __init__(self, context: Sequence[int], matcher: Matcher | None, vocab_size: int, budget: int,
-                 stop_token_ids: Sequence[int] = (), tilt_fn: Callable[[Matcher], np.ndarray | None] | None = None):
+                 stop_token_ids: Sequence[int] = (),
+                 tilt_fn: Callable[[Sequence[int], Matcher | None], np.ndarray | None] | None = None,
+                 prompt_len: int = 0):
         self.context = context  # committed tokens (prompt + emitted) before the block
+        self.prompt_len = prompt_len  # tilt_fn sees the generated part: context[prompt_len:] + drafts
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.budget = budget
@@ -89,14 +92,16 @@ class DraftBlock:
             else:
                 self.matcher.fill_mask(self.masks[i])
             if self.tilt_fn is not None:
-                self.tilts.append(self.tilt_fn(self.matcher))
+                self.tilts.append(self.tilt_fn(self.sequence()[self.prompt_len:], self.matcher))
             self.mask_ns += time.perf_counter_ns() - t0
             self._have_mask = i
         return self.masks[i]
 
     def tilt(self) -> np.ndarray | None:
-        if self.tilt_fn is None or self.matcher is None:
+        if self.tilt_fn is None:
             return None
+        if self.matcher is None:
+            return self.tilt_fn(self.sequence()[self.prompt_len:], None)
         self.mask()
         return self.tilts[self.position]
 
@@ -129,7 +134,10 @@ class DraftBlock:
     def finish(self) -> tuple[np.ndarray | None, list[np.ndarray | None] | None]:
         """Masks (and tilts) for all k+1 verification rows."""
         if self.matcher is None:
-            return None, None
+            if self.tilt_fn is None:
+                return None, None
+            gen = self.sequence()[self.prompt_len:]
+            return None, [self.tilt_fn(gen[: len(gen) - len(self.tokens) + i], None) for i in range(len(self.tokens) + 1)]
         self.mask()  # the bonus position
         n = len(self.tokens) + 1
         return self.masks[:n], (self.tilts[:n] if self.tilt_fn is not None else None)

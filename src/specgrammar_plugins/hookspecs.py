@@ -44,3 +44,11 @@ def register_request_parsers(register):
     reads an OpenAPI-style request body (``response_format``, ``regex``, ...) and returns the constraint it asks for,
     or None when its fields are absent; it raises ``ConstraintError`` on malformed fields.  Parsers are tried in
     registration order; the first non-None answer wins.  Called once."""
+
+
+@hookspec
+def register_cost_models(register):
+    """Register cost models for cost-aware laws: ``register(name, factory)``; ``factory(compiled, **options) ->
+    CostModel`` (see ``cost.CostModel``: ``delta(generated)`` and ``cost_to_go(generated)``).  A request picks one
+    with ``specgrammar.cost``; the built-ins are ``auto`` (exact for regular constraints, an estimate otherwise),
+    ``regular`` and ``structural``.  Called once."""

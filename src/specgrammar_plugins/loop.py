@@ -44,6 +44,7 @@ class Stats:
     target_s: float = 0.0
     wall_s: float = 0.0
     finish_reason: str | None = None
+    cost: dict = field(default_factory=dict)  # cost-aware runs: the lambda the controller chose
 
     @property
     def forced_tokens(self) -> int:
@@ -100,7 +101,8 @@ class SpeculativeLoop:
                  matcher: Matcher | None = None, drafter: Drafter | None = None, k: int = 4,
                  params: SamplingParams = SamplingParams(), max_tokens: int = 256, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, rng: np.random.Generator | None = None,
-                 tilt_fn: Callable[[Matcher], np.ndarray | None] | None = None, max_k: int = 64):
+                 tilt_fn: Callable[[Sequence[int], Matcher | None], np.ndarray | None] | None = None,
+                 max_k: int = 64):
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         if k < 0 or k > max_k:
@@ -147,7 +149,7 @@ class SpeculativeLoop:
         remaining = self.max_tokens - len(self.emitted)
         budget = min(self.k, remaining - 1)
         block = DraftBlock([*self.prompt, *self.emitted], self.matcher, self.width, max(budget, 0),
-                           self.stop_token_ids, self.tilt_fn)
+                           self.stop_token_ids, self.tilt_fn, prompt_len=len(self.prompt))
         if self.drafter is not None and budget > 0:
             while not block.done:
                 if self.drafter.extend(block, block.budget - len(block.tokens)) == 0:
@@ -209,6 +211,8 @@ class SpeculativeLoop:
                     return
         finally:
             self.stats.wall_s = time.perf_counter() - t0
+            if hasattr(self.tilt_fn, "report"):
+                self.stats.cost = self.tilt_fn.report(self.emitted)
 
     def generate(self) -> list[int]:
         for _ in self.run():

@@ -78,3 +78,7 @@ def drafters() -> dict[str, Callable[..., Any]]:
 
 def request_parsers() -> dict[str, Callable[[dict], Any]]:
     return dict(_registry("register_request_parsers"))
+
+
+def cost_models() -> dict[str, Callable[..., Any]]:
+    return dict(_registry("register_cost_models"))

@@ -78,7 +78,7 @@ def plain_decode(runner: MarkovRunner, prompt: Sequence[int], matcher, params, m
         if matcher is not None:
             matcher.fill_mask(row)
             mask = row
-        tilt = tilt_fn(matcher) if tilt_fn is not None else None
+        tilt = tilt_fn(out, matcher) if tilt_fn is not None else None
         t = sample(log_law(logits, mask, params, tilt), rng)
         out.append(t)
         seq.append(t)

@@ -1,0 +1,367 @@
+"""Cost-to-go estimators J(h), the tilt lambda*Delta, and the adaptive lambda controller.
+
+    Delta(a) = J(h.a) - J(h) + c(a)        (c = the token's own cost, 1 token by default)
+    q_lambda(a | h) ∝ q(a | h) * exp(-lambda(h) * Delta(a))
+
+Costs are counted in TOKENS (the unit of max_tokens), and J includes the stop token: J = 0 once terminated,
+J = 1 in a state where the grammar may end.  Delta >= 0, and Delta(a) = 0 exactly for the tokens on a shortest
+way to the end, so lambda -> infinity follows a shortest completion.
+
+- ``RegularCost``: exact for regular constraints (regex, choice): the fewest tokens from the current DFA state to
+  termination, by a backward BFS over the token-level transition graph of the reference DFA engine, precomputed
+  once per compiled constraint (cached).
+- ``StructuralCost``: an ESTIMATE for context-free constraints (JSON Schema, any-JSON, GBNF): one token per open
+  bracket/string still to close, plus ``prop_cost`` tokens per required JSON-Schema property still missing in each
+  open object, plus 1 for the stop token.  Documented as an estimate: the tilt is still an exact law (q_lambda is
+  what is sampled, whatever J is); only the budget guarantee is heuristic.
+- Users add cost models with the ``register_cost_models`` hook (e.g. a per-token price vector).
+
+The adaptive controller sets lambda per position as a deterministic function of the generated prefix:
+    lambda_{t+1} = [lambda_t + eta * (C_hat(h_t) - tau)]_+ ,   C_hat(h) = |h| + J(h) * (1 + w(h))
+with w(h) = the overshoot so far (|h| + J(h) - J(empty)) / max(1, |h|) and tau the budget (remaining max_tokens
+or a user ``budget``).  Because lambda depends only on the prefix (not on round boundaries), the speculative
+loop's output law equals non-speculative sampling from the same q_lambda, token for token in law.
+Caveat: with lambda > 0 the output law is q_lambda, not the untilted target law.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .constraint import CompiledConstraint, ConstraintSpec, compile_constraint
+from .tokenizer import TokenizerInfo
+
+INF = float("inf")
+
+
+class CostModel(Protocol):
+    """J over generated prefixes. ``delta(generated)`` -> Delta vector [vocab_size] for the next token."""
+
+    def delta(self, generated: Sequence[int]) -> np.ndarray: ...
+
+    def cost_to_go(self, generated: Sequence[int]) -> float: ...
+
+
+# ------------------------------------------------------------------------------------------- regular: exact
+class RegularCost:
+    """Exact fewest-tokens-to-termination for a regular constraint, from the reference DFA engine."""
+
+    def __init__(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, token_cost: np.ndarray | None = None):
+        from .engines.dfa import DFAGrammar
+
+        pattern = spec.as_regex()
+        if pattern is None:
+            raise ValueError("RegularCost needs a regular constraint (regex or choice)")
+        self.tok = tokenizer
+        self.width = tokenizer.vocab_size
+        self.compiled = compile_constraint(spec.without_trigger(), tokenizer, engine="dfa")
+        g: DFAGrammar = self.compiled.compiled
+        self.g = g
+        self.token_cost = token_cost
+        # token-level graph over reachable states
+        ids = [i for i, b in enumerate(tokenizer.token_bytes) if b and i not in tokenizer.special_ids]
+        start = (g.dfa.initial, b"")
+        succ: dict[tuple, dict[int, tuple]] = {}
+        todo = deque([start])
+        while todo:
+            st = todo.popleft()
+            if st in succ:
+                continue
+            edges = {}
+            for t in ids:
+                nxt = g.walk(st, tokenizer.token_bytes[t])
+                if nxt is not None:
+                    edges[t] = nxt
+                    if nxt not in succ:
+                        todo.append(nxt)
+            succ[st] = edges
+        self.succ = succ
+        # J by backward BFS (unit token costs): J(s) = 1 if s accepts (the stop token), else 1 + min J(next)
+        rev: dict[tuple, set] = {}
+        for s, edges in succ.items():
+            for n in edges.values():
+                rev.setdefault(n, set()).add(s)
+        J = {s: INF for s in succ}
+        q = deque()
+        for s in succ:
+            if g.accepts(s):
+                J[s] = 1.0
+                q.append(s)
+        while q:
+            s = q.popleft()
+            for p in rev.get(s, ()):
+                if J[p] > J[s] + 1:
+                    J[p] = J[s] + 1
+                    q.append(p)
+        self.J = J
+        self._delta_cache: dict[tuple, np.ndarray] = {}
+        self._hist: list[tuple] = [start]
+        self._fed: list[int] = []
+
+    def _state(self, generated: Sequence[int]) -> tuple | None:
+        fed = self._fed
+        n = min(len(fed), len(generated))
+        lcp = 0
+        while lcp < n and fed[lcp] == generated[lcp]:
+            lcp += 1
+        del fed[lcp:]
+        del self._hist[lcp + 1:]
+        for t in generated[lcp:]:
+            st = self._hist[-1]
+            if st is None:
+                nxt = None
+            elif t in self.tok.stop_token_ids:
+                nxt = ("<end>",) if self.g.accepts(st) else None
+            else:
+                nxt = self.succ.get(st, {}).get(int(t)) if st != ("<end>",) else None
+            fed.append(int(t))
+            self._hist.append(nxt)
+        return self._hist[-1]
+
+    def cost_to_go(self, generated: Sequence[int]) -> float:
+        st = self._state(generated)
+        if st == ("<end>",):
+            return 0.0
+        return INF if st is None else self.J.get(st, INF)
+
+    def delta(self, generated: Sequence[int]) -> np.ndarray:
+        st = self._state(generated)
+        if st is None or st == ("<end>",):
+            return np.zeros(self.width)
+        d = self._delta_cache.get(st)
+        if d is None:
+            j = self.J[st]
+            d = np.full(self.width, 1e9)  # unreachable/forbidden tokens: masked anyway
+            for t, n in self.succ[st].items():
+                d[t] = self.J[n] - j + 1.0
+            if self.g.accepts(st):
+                for s in self.tok.stop_token_ids:
+                    if s < self.width:
+                        d[s] = 0.0 - j + 1.0
+            self._delta_cache[st] = d
+        if self.token_cost is not None:
+            return d + self.token_cost - 1.0
+        return d
+
+
+# ------------------------------------------------------------------------------------------- CFG: an estimate
+class _Scan:
+    """Incremental scanner of JSON-ish text: open containers/strings and, per open object, keys seen."""
+
+    __slots__ = ("stack", "in_str", "esc", "key_buf", "expect_key", "last_key")
+
+    def __init__(self):
+        self.stack: list[list] = []  # [kind, keys_seen(set) or None]
+        self.in_str = False
+        self.esc = False
+        self.key_buf: bytearray | None = None
+        self.expect_key = False
+        self.last_key = None
+
+    def copy(self) -> "_Scan":
+        c = _Scan()
+        c.stack = [[k, set(s) if s is not None else None] for k, s in self.stack]
+        c.in_str, c.esc, c.expect_key, c.last_key = self.in_str, self.esc, self.expect_key, self.last_key
+        c.key_buf = bytearray(self.key_buf) if self.key_buf is not None else None
+        return c
+
+    def feed(self, data: bytes) -> None:
+        for b in data:
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif b == 0x5C:
+                    self.esc = True
+                elif b == 0x22:
+                    self.in_str = False
+                    if self.key_buf is not None and self.stack and self.stack[-1][0] == "{":
+                        self.stack[-1][1].add(self.key_buf.decode("utf-8", "replace"))
+                    self.key_buf = None
+                elif self.key_buf is not None:
+                    self.key_buf.append(b)
+                continue
+            if b == 0x22:
+                self.in_str = True
+                self.key_buf = bytearray() if self.expect_key else None
+                self.expect_key = False
+            elif b in (0x7B, 0x5B, 0x28):  # { [ (
+                self.stack.append([chr(b), set() if b == 0x7B else None])
+                self.expect_key = b == 0x7B
+            elif b in (0x7D, 0x5D, 0x29):
+                if self.stack:
+                    self.stack.pop()
+                self.expect_key = False
+            elif b == 0x2C:  # ,
+                self.expect_key = bool(self.stack) and self.stack[-1][0] == "{"
+            elif b == 0x3A:
+                self.expect_key = False
+
+
+class StructuralCost:
+    """Estimated tokens to termination for JSON / CFG output: closers + missing required properties + stop."""
+
+    def __init__(self, tokenizer: TokenizerInfo, spec: ConstraintSpec | None = None, prop_cost: float = 3.0,
+                 token_cost: np.ndarray | None = None):
+        self.tok = tokenizer
+        self.width = tokenizer.vocab_size
+        self.prop_cost = prop_cost
+        self.token_cost = token_cost
+        self.required: list[str] = []
+        if spec is not None and spec.kind == "json_schema":
+            schema = spec.schema
+            if isinstance(schema, dict):
+                self.required = list(schema.get("required", []))
+        structural = set(b'{}[]()",:\\')
+        self.struct_ids = np.array([i for i, b in enumerate(tokenizer.token_bytes) if any(c in structural for c in b)],
+                                   dtype=np.int64)
+        self._fed: list[int] = []
+        self._scans: list[_Scan] = [_Scan()]
+        self._started = False
+        self._ended: list[bool] = [False]
+
+    def _sync(self, generated: Sequence[int]) -> _Scan:
+        fed = self._fed
+        n = min(len(fed), len(generated))
+        lcp = 0
+        while lcp < n and fed[lcp] == generated[lcp]:
+            lcp += 1
+        del fed[lcp:]
+        del self._scans[lcp + 1:]
+        del self._ended[lcp + 1:]
+        for t in generated[lcp:]:
+            sc = self._scans[-1].copy()
+            ended = self._ended[-1] or int(t) in self.tok.stop_token_ids
+            if not ended and 0 <= t < len(self.tok.token_bytes):
+                sc.feed(self.tok.token_bytes[int(t)])
+            fed.append(int(t))
+            self._scans.append(sc)
+            self._ended.append(ended)
+        return self._scans[-1]
+
+    def _j(self, sc: _Scan, ended: bool, started: bool) -> float:
+        if ended:
+            return 0.0
+        j = 1.0 + len(sc.stack) + (1.0 if sc.in_str else 0.0)
+        if not started:  # nothing yet: the top-level object still to open and fill
+            return j + 2.0 + self.prop_cost * len(self.required)
+        if sc.stack and sc.stack[0][0] == "{" and self.required:
+            j += self.prop_cost * sum(1 for k in self.required if k not in sc.stack[0][1])
+        return j
+
+    def cost_to_go(self, generated: Sequence[int]) -> float:
+        sc = self._sync(generated)
+        return self._j(sc, self._ended[-1], bool(generated))
+
+    def delta(self, generated: Sequence[int]) -> np.ndarray:
+        sc = self._sync(generated)
+        ended = self._ended[-1]
+        j0 = self._j(sc, ended, bool(generated))
+        d = np.ones(self.width)  # tokens with no structural byte leave J as it is (an estimate)
+        if not generated:
+            d[:] = 1.0
+        for t in self.struct_ids:
+            s2 = sc.copy()
+            s2.feed(self.tok.token_bytes[t])
+            d[t] = self._j(s2, False, True) - j0 + 1.0
+        for s in self.tok.stop_token_ids:
+            if s < self.width:
+                d[s] = 0.0 - j0 + 1.0
+        if self.token_cost is not None:
+            d = d + self.token_cost - 1.0
+        return d
+
+
+def cost_model_for(compiled: CompiledConstraint, token_cost: np.ndarray | None = None) -> CostModel:
+    """The built-in cost model for a compiled constraint: exact for regular ones, an estimate otherwise."""
+    spec = compiled.spec
+    if spec.as_regex() is not None:
+        try:
+            return RegularCost(spec, compiled.tokenizer, token_cost)
+        except Exception:  # e.g. a regex interegular cannot read: fall back to the estimate
+            pass
+    return StructuralCost(compiled.tokenizer, spec, token_cost=token_cost)
+
+
+# ------------------------------------------------------------------------------------------- the tilt
+class Tilt:
+    """``tilt_fn`` for the loop: lambda(h) * Delta(h, .), with lambda fixed or set by the adaptive controller.
+
+    lambda is a deterministic function of the generated prefix (history-keyed, cached per prefix), so the law at
+    every position does not depend on how drafting split the output into rounds.
+    """
+
+    def __init__(self, cost: CostModel, *, lam: float = 0.0, adaptive: bool = False, budget: int | None = None,
+                 eta: float = 8.0, lam_max: float = 50.0):
+        if lam < 0:
+            raise ValueError("lambda must be >= 0")
+        if adaptive and budget is None:
+            raise ValueError("the adaptive controller needs a budget (max_tokens or specgrammar.budget)")
+        self.cost = cost
+        self.lam0 = float(lam)
+        self.adaptive = adaptive
+        self.budget = budget
+        self.eta = eta
+        self.lam_max = lam_max
+        self._lams: list[float] = [self.lam0]  # lambda at position t (before token t)
+        self._fed: list[int] = []
+        self._j0: float | None = None
+        self.max_lam = self.lam0
+
+    def lam_at(self, generated: Sequence[int]) -> float:
+        if not self.adaptive:
+            return self.lam0
+        fed = self._fed
+        n = min(len(fed), len(generated))
+        lcp = 0
+        while lcp < n and fed[lcp] == generated[lcp]:
+            lcp += 1
+        del fed[lcp:]
+        del self._lams[lcp + 1:]
+        if self._j0 is None:
+            self._j0 = self.cost.cost_to_go([])
+        for i in range(lcp, len(generated)):
+            fed.append(int(generated[i]))
+            h = generated[: i + 1]
+            j = self.cost.cost_to_go(h)
+            if not np.isfinite(j):
+                j = self._j0
+            w = max(0.0, (len(h) + j - self._j0) / max(1, len(h)))
+            c_hat = len(h) + j * (1.0 + w)
+            lam = min(self.lam_max, max(0.0, self._lams[-1] + self.eta * (c_hat - self.budget)))
+            self._lams.append(lam)
+            self.max_lam = max(self.max_lam, lam)
+        return self._lams[len(generated)]
+
+    def __call__(self, generated: Sequence[int], matcher=None) -> np.ndarray | None:
+        lam = self.lam_at(generated)
+        if lam == 0.0:
+            return None
+        d = self.cost.delta(generated)
+        return lam * np.minimum(d, 1e6)
+
+    def report(self, generated: Sequence[int]) -> dict:
+        return {"lambda": self.lam_at(generated), "lambda_max": self.max_lam, "adaptive": self.adaptive,
+                "budget": self.budget}
+
+
+def make_tilt(compiled: CompiledConstraint | None, *, lam: float | None = None, adaptive: bool = False,
+              budget: int | None = None, max_tokens: int | None = None, cost: str = "auto",
+              **cost_options) -> Tilt | None:
+    """What adapters call with a request's ``specgrammar`` options: None unless cost-awareness is asked for.
+    ``cost`` names a cost model registered through the ``register_cost_models`` hook."""
+    if compiled is None or (not adaptive and not lam):
+        return None
+    from .errors import RequestError
+    from .plugins import cost_models
+
+    reg = cost_models()
+    if cost not in reg:
+        raise RequestError(f"unknown cost model {cost!r}; available: {', '.join(sorted(reg))}")
+    return Tilt(reg[cost](compiled, **cost_options), lam=lam or 0.0, adaptive=adaptive,
+                budget=budget if budget is not None else max_tokens)
+
+
+__all__ = ["CostModel", "RegularCost", "StructuralCost", "Tilt", "cost_model_for", "make_tilt"]
