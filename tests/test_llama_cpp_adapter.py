@@ -1,0 +1,245 @@
+"""llama-cpp-python adapter: SpecLlama's loop against the stock Llama on the committed tiny GGUF models.
+
+Greedy: our output equals the stock ``Llama`` with the same grammar and no drafting, token for token, for every
+workload and k = 1..8 (drafts from the draft model, and from forced tokens alone).  Constraints in every spelling,
+chat completion with a JSON schema (streaming and not), invalid constraints as a clear ``ConstraintError``.
+Runs with n_threads=1; skips when llama-cpp-python or the tiny models are absent.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from specgrammar_plugins import ConstraintError, ConstraintSpec  # noqa: E402
+from specgrammar_plugins.models import tiny_gguf  # noqa: E402
+from specgrammar_plugins.workloads import WORKLOADS, chat_prompt, constraint, examples, is_valid  # noqa: E402
+
+TARGET, DRAFT = tiny_gguf("target"), tiny_gguf("draft")
+pytestmark = pytest.mark.skipif(not (TARGET.exists() and DRAFT.exists()),
+                                reason="the tiny GGUF models (specgrammar_plugins/models/tiny/*.gguf) are absent")
+KW = dict(n_threads=1, n_threads_batch=1, n_ctx=512, verbose=False, seed=0)
+MAX_TOKENS = 40
+
+# The same language as each workload's constraint, as llama.cpp GBNF: both sides get exactly this grammar text.
+REGEX_GBNF = {
+    "order_id": 'root ::= [A-Z]{3} "-" [0-9]{4}',
+    "year": "root ::= [0-9]{4}",
+    "email": 'root ::= [a-z]+ "@" [a-z]+ ".com"',
+}
+
+
+def gbnf_for(workload):
+    from llama_cpp import llama_grammar
+
+    spec = constraint(workload)
+    if spec is None:
+        return None
+    if workload in REGEX_GBNF:
+        return REGEX_GBNF[workload]
+    if spec.kind == "json_schema":
+        return llama_grammar.json_schema_to_gbnf(spec.value)
+    return spec.value  # sql: GBNF already
+
+
+@pytest.fixture(scope="module")
+def stock():
+    return llama_cpp.Llama(str(TARGET), **KW)
+
+
+@pytest.fixture(scope="module")
+def draft_llama():
+    return llama_cpp.Llama(str(DRAFT), **KW)
+
+
+@pytest.fixture(scope="module")
+def ours(draft_llama):
+    from specgrammar_plugins.adapters.llama_cpp import SpecLlama
+
+    return SpecLlama(str(TARGET), draft=draft_llama, k=4, **KW)
+
+
+@pytest.fixture(scope="module")
+def ours_nodraft():
+    from specgrammar_plugins.adapters.llama_cpp import SpecLlama
+
+    return SpecLlama(str(TARGET), k=4, **KW)
+
+
+def prompt_tokens(llm, user):
+    return llm.tokenize(chat_prompt(user).encode("utf-8"), add_bos=False, special=True)
+
+
+def greedy_tokens(llm, tokens, gbnf):
+    """Tokens ``generate`` yields at temperature 0 up to and including the first end-of-generation token."""
+    grammar = None if gbnf is None else llama_cpp.LlamaGrammar.from_string(gbnf, verbose=False)
+    out = []
+    for t in llm.generate(tokens, temp=0.0, grammar=grammar):
+        out.append(int(t))
+        if llama_cpp.llama_vocab_is_eog(llm._model.vocab, t) or len(out) >= MAX_TOKENS:
+            break
+    return out
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_greedy_equals_stock_every_k(stock, ours, ours_nodraft, workload):
+    gbnf = gbnf_for(workload)
+    ex = examples(workload, "eval", 2)
+    for i, e in enumerate(ex):
+        p = prompt_tokens(stock, e.prompt)
+        want = greedy_tokens(stock, p, gbnf)
+        ks = range(1, 9) if i == 0 else (3, 8)
+        for k in ks:
+            ours.k = k
+            got = greedy_tokens(ours, p, gbnf)
+            assert got == want, (workload, k, stock.detokenize(want), ours.detokenize(got))
+            assert ours.last_stats.target_passes <= len(want)
+        for k in (1, 4, 8):  # no draft model: forced tokens only
+            ours_nodraft.k = k
+            assert greedy_tokens(ours_nodraft, p, gbnf) == want, (workload, k)
+    ours.k = 4
+
+
+def test_completion_api_and_spellings(stock, ours):
+    """create_completion through our generate(): the text equals stock's; a ConstraintSpec, a GBNF string and a
+    LlamaGrammar of one language give one output; a regex spec equals its GBNF twin."""
+    e = examples("year", "eval", 1)[0]
+    prompt = chat_prompt(e.prompt)
+    g = REGEX_GBNF["year"]
+    want = stock.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                   grammar=llama_cpp.LlamaGrammar.from_string(g, verbose=False))
+    outs = [
+        ours.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0, grammar=g),
+        ours.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0,
+                               grammar=llama_cpp.LlamaGrammar.from_string(g, verbose=False)),
+        ours.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0, constraint=ConstraintSpec.regex("[0-9]{4}")),
+        ours(prompt, max_tokens=MAX_TOKENS, temperature=0, regex="[0-9]{4}"),
+        ours.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0, response_format={"type": "regex", "regex": "[0-9]{4}"},
+                               specgrammar={"k": 2}),
+    ]
+    for o in outs:
+        assert o["choices"][0]["text"] == want["choices"][0]["text"]
+        assert o["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"] == "stop"
+        assert o["usage"] == want["usage"]
+    assert is_valid("year", outs[0]["choices"][0]["text"])
+    # streaming: the chunks add up to the same text
+    chunks = list(ours.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0, grammar=g, stream=True))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # max_tokens stops the request where the host stops it
+    short = ours.create_completion(prompt, max_tokens=2, temperature=0, grammar=g)
+    ref = stock.create_completion(prompt, max_tokens=2, temperature=0,
+                                  grammar=llama_cpp.LlamaGrammar.from_string(g, verbose=False))
+    assert short["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert short["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("spelling", ["llama_cpp", "openai"])
+def test_chat_completion_json_schema(ours, stream, spelling):
+    import jsonschema
+
+    e = examples("json_extraction", "eval", 1)[0]
+    schema = constraint("json_extraction").schema
+    rf = ({"type": "json_object", "schema": schema} if spelling == "llama_cpp"
+          else {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    res = ours.create_chat_completion([{"role": "user", "content": e.prompt}], response_format=rf, temperature=0,
+                                      max_tokens=200, stream=stream)
+    if stream:
+        parts = list(res)
+        text = "".join(p["choices"][0]["delta"].get("content", "") or "" for p in parts)
+        finish = parts[-1]["choices"][0]["finish_reason"]
+    else:
+        text = res["choices"][0]["message"]["content"]
+        finish = res["choices"][0]["finish_reason"]
+    assert finish == "stop", text
+    jsonschema.validate(json.loads(text, strict=False), schema)  # xgrammar lets raw control chars into strings
+    assert ours.last_stats is not None and ours.last_stats.emitted >= 1
+
+
+def test_chat_stream_equals_nonstream_at_t_positive(ours):
+    """Sampling at T > 0 with a fixed seed is reproducible and the same through both chat paths."""
+    e = examples("tool_call", "eval", 1)[0]
+    rf = {"type": "json_object", "schema": constraint("tool_call").schema}
+    msgs = [{"role": "user", "content": e.prompt}]
+    a = ours.create_chat_completion(msgs, response_format=rf, temperature=0.9, seed=11, max_tokens=120)
+    b = ours.create_chat_completion(msgs, response_format=rf, temperature=0.9, seed=11, max_tokens=120, stream=True)
+    text_b = "".join(p["choices"][0]["delta"].get("content", "") or "" for p in b)
+    assert a["choices"][0]["message"]["content"] == text_b
+
+
+@pytest.mark.parametrize("bad", [
+    dict(response_format={"type": "json_object", "schema": {"type": "object", "properties": {"a": {"type": 7}}}}),
+    dict(response_format={"type": "json_schema", "json_schema": {"schema": "{not json"}}),
+    dict(grammar="root ::= ("),
+    dict(grammar='root ::= "a" undefined_rule'),
+    dict(regex="[a-"),
+])
+def test_invalid_constraint_is_a_clear_error_and_the_process_survives(ours, bad):
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ConstraintError):
+        ours.create_chat_completion(msgs, max_tokens=4, **bad)
+    with pytest.raises(ConstraintError):  # streaming: raised at the call, not at the first chunk
+        ours.create_chat_completion(msgs, max_tokens=4, stream=True, **bad)
+    # still alive and serving
+    ok = ours.create_completion(chat_prompt("What year? 1999"), max_tokens=4, temperature=0, regex="[0-9]{4}")
+    assert ok["choices"][0]["text"]
+
+
+def test_two_constraints_are_refused(ours):
+    with pytest.raises(ConstraintError, match="only one constraint"):
+        ours.create_completion("x", grammar="root ::= \"a\"", regex="a")
+
+
+def test_sampling_params_mapping():
+    from specgrammar_plugins.adapters.llama_cpp import sampling_params
+
+    assert sampling_params(0.0, 40, 0.95, 0.05).greedy
+    p = sampling_params(0.7, 40, 0.9, 0.1)
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.temperature_last) == (0.7, 40, 0.9, 0.1, True)
+    full = sampling_params(-1.0, 40, 0.9, 0.1)  # llama.cpp: temp < 0 -> dist alone
+    assert (full.temperature, full.top_k, full.top_p, full.min_p) == (1.0, 0, 1.0, 0.0)
+    assert sampling_params(1.0, 0, 1.5, -1).top_p == 1.0
+
+
+def test_seed_reaches_the_law(ours):
+    prompt = chat_prompt(examples("email", "eval", 1)[0].prompt)
+    outs = [ours.create_completion(prompt, max_tokens=12, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0,
+                                   seed=s, regex="[a-z]+@[a-z]+\\.com")["choices"][0]["text"] for s in (1, 1, 2, 3, 4)]
+    assert outs[0] == outs[1]
+    assert len(set(outs)) > 1
+
+
+def test_tokenizer_info_matches_the_hf_tokenizer(stock):
+    """Token bytes read from the GGUF vocabulary equal the HF tokenizer's (the models share one)."""
+    from specgrammar_plugins.adapters.llama_cpp import tokenizer_info
+    from specgrammar_plugins.models import tiny_tokenizer_info
+
+    ours = tokenizer_info(stock)
+    hf = tiny_tokenizer_info(vocab_size=ours.vocab_size)
+    assert ours.vocab_size == stock.n_vocab()
+    diff = [i for i, (a, b) in enumerate(zip(ours.token_bytes, hf.token_bytes)) if a != b]
+    assert not diff, diff[:10]
+    assert hf.eos_token_id in ours.stop_token_ids
+
+
+def test_runner_rollback_and_rows(stock):
+    """forward computes logits only for the rows asked, equal to one-at-a-time decoding; trim checks
+    llama_memory_seq_rm's answer."""
+    from specgrammar_plugins.adapters.llama_cpp import LlamaRunner
+
+    llm = llama_cpp.Llama(str(TARGET), **KW)
+    r = LlamaRunner(llm)
+    p = prompt_tokens(llm, examples("sql", "eval", 1)[0].prompt)
+    assert r.forward(p, logits_for=0).shape == (0, r.vocab_size)
+    r.trim(3)
+    batch = r.forward(p[-3:], logits_for=2)
+    assert batch.shape == (2, r.vocab_size) and r.tokens == p
+    r.trim(2)
+    one = r.forward(p[-2:-1], logits_for=1)
+    np.testing.assert_allclose(one[0], batch[0], atol=1e-4)
+    assert r.tokens == p[:-1]
+    with pytest.raises(ValueError):
+        r.trim(len(p) + 5)
