@@ -1,0 +1,98 @@
+"""A history-keyed, rollback-safe grammar logits processor for mlx-lm's own loops.
+
+    proc = grammar_logits_processor(ConstraintSpec.regex(r"[0-9]{4}"), tokenizer, model)
+    mlx_lm.generate(model, tokenizer, prompt, logits_processors=[proc])            # generate_step
+    mlx_lm.generate(..., draft_model=draft, logits_processors=[proc])              # speculative_generate_step
+    BatchGenerator(model).insert(..., logits_processors=[[proc]])                  # the server's batching path
+
+mlx-lm calls a processor as ``processor(tokens, logits)`` with a token history, never telling it which tokens
+were accepted.  The history's start differs by loop (mlx-lm 0.32.2): the whole prompt in ``generate_step`` and
+``BatchGenerator``, only the last prompt token in ``speculative_generate_step``; under speculation it moves
+backwards (rejected drafts) and forwards (accepted blocks).  So the processor takes the history length of its
+first call as the prompt, and derives the grammar state from what follows it alone (core ``HistoryMatcher``:
+roll back to the longest common prefix, never feed a token the grammar rejects).  One processor per request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...constraint import CompiledConstraint, ConstraintSpec, compile_constraint, unpack_mask
+from ...processor import HistoryMatcher
+from ...tokenizer import TokenizerInfo
+
+_TOKINFO: dict[tuple[int, int], tuple[object, TokenizerInfo]] = {}
+
+
+def tokenizer_info(tokenizer, width: int) -> TokenizerInfo:
+    """``TokenizerInfo`` of an mlx-lm ``TokenizerWrapper`` (or HF tokenizer), masks padded to ``width``;
+    every EOS id mlx-lm knows is a stop token.  Cached per tokenizer object."""
+    key = (id(tokenizer), int(width))
+    hit = _TOKINFO.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    eos_ids = sorted(int(i) for i in (getattr(tokenizer, "eos_token_ids", None) or ()))
+    kw = {}
+    if getattr(hf, "eos_token_id", None) is None and eos_ids:
+        kw["eos_token"] = eos_ids[0]
+    info = TokenizerInfo.from_hf(hf, vocab_size=None, stop_tokens=eos_ids, **kw)
+    n = len(info.token_bytes)
+    info = info.with_vocab_size(max(int(width), n)) if width else info
+    _TOKINFO[key] = (tokenizer, info)
+    return info
+
+
+def compile_for(constraint, tokenizer, width: int, engine: str | None = None) -> CompiledConstraint:
+    """A ``ConstraintSpec`` (or an already compiled constraint) compiled for this tokenizer at ``width``."""
+    if isinstance(constraint, CompiledConstraint):
+        if constraint.tokenizer.vocab_size < width:
+            raise ValueError(f"the constraint was compiled for {constraint.tokenizer.vocab_size} tokens but the model "
+                             f"outputs {width}")
+        return constraint
+    if not isinstance(constraint, ConstraintSpec):
+        raise TypeError(f"constraint must be a ConstraintSpec or CompiledConstraint, got {type(constraint).__name__}")
+    return compile_constraint(constraint, tokenizer_info(tokenizer, width), engine=engine)
+
+
+class GrammarLogitsProcessor:
+    """``processor(tokens, logits) -> logits`` with every grammar-forbidden token set to -inf.
+
+    prompt_len: the history length that is prompt (None = the length of the first call's history).
+    """
+
+    def __init__(self, compiled: CompiledConstraint, prompt_len: int | None = None):
+        self.compiled = compiled
+        self.history = HistoryMatcher(compiled)
+        self.prompt_len = prompt_len
+        self.calls = 0
+        self.invalid_calls = 0  # histories holding a grammar-rejected token (a blind draft the host will reject)
+        self._allowed_cache: tuple[int, object, object] | None = None
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        hist = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens or [])
+        if self.prompt_len is None:
+            self.prompt_len = len(hist)
+        self.calls += 1
+        mask, ok = self.history.mask_for(hist[self.prompt_len:])
+        if not ok:
+            self.invalid_calls += 1
+        width = logits.shape[-1]
+        allowed = unpack_mask(mask, width)
+        if allowed.shape[-1] < width:
+            allowed = np.concatenate([allowed, np.zeros(width - allowed.shape[-1], dtype=bool)])
+        return mx.where(mx.array(allowed), logits, mx.array(-np.inf, dtype=logits.dtype))
+
+
+def grammar_logits_processor(constraint, tokenizer, model=None, *, width: int | None = None,
+                             engine: str | None = None, prompt_len: int | None = None) -> GrammarLogitsProcessor:
+    """A fresh processor for one request (``constraint``: ConstraintSpec or CompiledConstraint)."""
+    if width is None:
+        if model is None:
+            raise ValueError("pass the model (or width=) so masks match its output width")
+        from .runner import output_width
+
+        width = output_width(model)
+    return GrammarLogitsProcessor(compile_for(constraint, tokenizer, width, engine), prompt_len)

@@ -1,0 +1,233 @@
+"""The mlx-lm adapter on the bundled tiny models: runner, stream_generate twin, history-keyed processor.
+
+Greedy: our loop's output equals mlx-lm's plain constrained ``generate_step`` (with our history-keyed processor)
+token for token, for every workload, k = 1..8, with and without the draft model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_mlx_common import mlx_speculative, plain_generate_step, prompt_ids, tiny_model_dirs
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from specgrammar_plugins import ConstraintSpec  # noqa: E402
+from specgrammar_plugins.workloads import WORKLOADS, examples  # noqa: E402
+
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from mlx_lm import load
+
+    t, d = tiny_model_dirs()
+    model, tok = load(str(t))
+    draft, _ = load(str(d))
+    return model, draft, tok
+
+
+def _processor(spec, tok, model):
+    from specgrammar_plugins.adapters.mlx_lm.processor import grammar_logits_processor
+
+    return grammar_logits_processor(spec, tok, model) if spec is not None else None
+
+
+# ------------------------------------------------------------------------------------------------ runner
+def test_runner_forward_trim_and_logits_match_a_fresh_pass(tiny):
+    from specgrammar_plugins.adapters.mlx_lm.runner import MLXRunner
+
+    model, _, tok = tiny
+    ids = prompt_ids(tok, "Find the year: The bridge opened in 1999.")
+    r = MLXRunner(model)
+    full = r.forward(ids)
+    assert full.shape == (len(ids), r.vocab_size) and full.dtype == np.float32
+    assert r.tokens == ids
+    r.trim(5)
+    assert r.tokens == ids[:-5] and r.cache[0].offset == len(ids) - 5
+    again = r.forward(ids[-5:], logits_for=2)
+    assert again.shape == (2, r.vocab_size)
+    np.testing.assert_allclose(again, full[-2:], rtol=1e-4, atol=1e-4)
+    r.sync(ids[:3])
+    assert r.tokens == ids[:3] and r.cache[0].offset == 3
+    assert r.forward([], logits_for=0).shape == (0, r.vocab_size)
+
+
+def test_runner_refuses_a_cache_it_cannot_trim(tiny):
+    from mlx_lm.models.cache import ArraysCache
+
+    from specgrammar_plugins.adapters.mlx_lm.runner import MLXRunner, NotTrimmableCacheError
+
+    model, _, _ = tiny
+    with pytest.raises(NotTrimmableCacheError, match="trimmable"):
+        MLXRunner(model, [ArraysCache(2) for _ in model.layers])
+
+
+# ------------------------------------------------------------------------------------------------ greedy
+def _cases():
+    out = []
+    for w in WORKLOADS:
+        ex = examples(w, "eval", 1)[0]
+        out.append((w, ex.prompt, ex.constraint))
+    return out
+
+
+@pytest.mark.parametrize("workload,user,spec", _cases(), ids=[c[0] for c in _cases()])
+def test_greedy_equals_plain_generate_step(tiny, workload, user, spec):
+    from specgrammar_plugins.adapters.mlx_lm.generate import generate_tokens
+
+    model, draft, tok = tiny
+    ids = prompt_ids(tok, user)
+    eos = set(tok.eos_token_ids)
+    ref = plain_generate_step(model, ids, processor=_processor(spec, tok, model), max_tokens=MAX_TOKENS, eos_ids=eos)
+    for use_draft in (True, False):
+        for k in range(1, 9):
+            out, st = generate_tokens(model, tok, ids, max_tokens=MAX_TOKENS, draft_model=draft if use_draft else None,
+                                      num_draft_tokens=k, constraint=spec, temperature=0.0)
+            assert out == ref, (workload, use_draft, k, tok.decode(out), tok.decode(ref))
+            assert st.target_passes <= len(ref)
+    if spec is not None and ref and ref[-1] in eos:
+        from specgrammar_plugins.workloads import is_valid
+
+        assert is_valid(workload, tok.decode(ref[:-1])), tok.decode(ref)
+
+
+def test_processor_under_mlx_speculative_loop_equals_plain(tiny):
+    """mlx-lm's own speculative loop + our history-keyed processor: same greedy output as generate_step (the
+    processor's history starts at the last prompt token there, and moves backwards on rejected drafts)."""
+    model, draft, tok = tiny
+    eos = set(tok.eos_token_ids)
+    for w in ("json_extraction", "sql", "email"):
+        ex = examples(w, "eval", 1)[0]
+        ids = prompt_ids(tok, ex.prompt)
+        ref = plain_generate_step(model, ids, processor=_processor(ex.constraint, tok, model), max_tokens=MAX_TOKENS,
+                                  eos_ids=eos)
+        for k in (1, 3, 5):
+            out, _ = mlx_speculative(model, draft, ids, processor=_processor(ex.constraint, tok, model), k=k,
+                                     max_tokens=MAX_TOKENS, eos_ids=eos)
+            assert out == ref, (w, k)
+
+
+def test_processor_with_batch_generator(tiny):
+    """The server's batching path: BatchGenerator with one processor per request, two constrained requests."""
+    from mlx_lm.generate import BatchGenerator
+
+    model, _, tok = tiny
+    eos = set(tok.eos_token_ids)
+    exs = [examples("order_id", "eval", 1)[0], examples("json_extraction", "eval", 1)[0]]
+    prompts = [prompt_ids(tok, e.prompt) for e in exs]
+    refs = [plain_generate_step(model, p, processor=_processor(e.constraint, tok, model), max_tokens=MAX_TOKENS,
+                                eos_ids=eos) for p, e in zip(prompts, exs)]
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in eos])
+    uids = gen.insert(prompts, max_tokens=[MAX_TOKENS] * 2,
+                      logits_processors=[[_processor(e.constraint, tok, model)] for e in exs])
+    outs = {u: [] for u in uids}
+    for _ in range(4 * MAX_TOKENS):
+        responses = gen.next_generated()
+        if not responses and all(o and (o[-1] in eos or len(o) >= MAX_TOKENS) for o in outs.values()):
+            break
+        for r in responses:
+            outs[r.uid].append(int(r.token))
+    gen.close()
+    assert [outs[u] for u in uids] == refs
+
+
+# ------------------------------------------------------------------------------------------------ twin details
+def test_stream_generate_responses_and_cache_state(tiny):
+    from mlx_lm.generate import GenerationResponse
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from specgrammar_plugins.adapters.mlx_lm.generate import stream_generate
+
+    model, draft, tok = tiny
+    ex = examples("json_extraction", "eval", 1)[0]
+    ids = prompt_ids(tok, ex.prompt)
+    cache = make_prompt_cache(model) + make_prompt_cache(draft)
+    rs = list(stream_generate(model, tok, ids, max_tokens=MAX_TOKENS, draft_model=draft, num_draft_tokens=4,
+                              constraint=ex.constraint, temperature=0.0, prompt_cache=cache))
+    assert all(isinstance(r, GenerationResponse) for r in rs)
+    assert [r.finish_reason for r in rs[:-1]] == [None] * (len(rs) - 1) and rs[-1].finish_reason in ("stop", "length")
+    assert rs[-1].stats is not None and rs[-1].stats.emitted == len(rs)
+    text = "".join(r.text for r in rs)
+    assert text == tok.decode([r.token for r in rs if r.token not in tok.eos_token_ids])
+    n = len(ids) + len(rs)
+    n_layers = len(model.layers)
+    assert all(c.offset == n for c in cache[:n_layers]), "target cache must hold prompt + emitted"
+    assert all(c.offset == n for c in cache[n_layers:]), "draft cache must hold prompt + emitted"
+    assert any(r.from_draft for r in rs)
+    lp = rs[0].logprobs
+    assert lp.shape[-1] >= len(tok.vocab) - 8 and float(mx.logsumexp(lp).item()) == pytest.approx(0.0, abs=1e-3)
+
+    # continue from the cache: the twin reuses it and the caches stay consistent
+    more = prompt_ids(tok, examples("year", "eval", 1)[0].prompt)
+    held = ids + [r.token for r in rs]
+    rs2 = list(stream_generate(model, tok, more, max_tokens=8, draft_model=draft, num_draft_tokens=3,
+                               constraint=ConstraintSpec.regex(r"[0-9]{4}"), temperature=0.0, prompt_cache=cache,
+                               cached_tokens=held))
+    n2 = len(held) + len(more) + len(rs2)
+    assert all(c.offset == n2 for c in cache)
+
+
+def test_early_close_leaves_caches_at_yielded_tokens(tiny):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from specgrammar_plugins.adapters.mlx_lm.generate import stream_generate
+
+    model, draft, tok = tiny
+    ex = examples("tool_call", "eval", 1)[0]
+    ids = prompt_ids(tok, ex.prompt)
+    cache = make_prompt_cache(model) + make_prompt_cache(draft)
+    gen = stream_generate(model, tok, ids, max_tokens=MAX_TOKENS, draft_model=draft, num_draft_tokens=6,
+                          constraint=ex.constraint, temperature=0.0, prompt_cache=cache)
+    seen = [next(gen) for _ in range(5)]
+    gen.close()
+    assert all(c.offset == len(ids) + len(seen) for c in cache)
+
+
+def test_twin_refuses_host_samplers_and_processors(tiny):
+    from mlx_lm.sample_utils import make_sampler
+
+    from specgrammar_plugins.adapters.mlx_lm.generate import stream_generate
+
+    model, _, tok = tiny
+    with pytest.raises(ValueError, match="sampler"):
+        next(stream_generate(model, tok, [1, 2, 3], sampler=make_sampler(0.5)))
+    with pytest.raises(ValueError, match="logits_processors"):
+        next(stream_generate(model, tok, [1, 2, 3], logits_processors=[lambda t, l: l]))
+
+
+def test_recipe_argument_reaches_the_draft_context(tiny, monkeypatch):
+    from specgrammar_plugins import drafters as D
+    from specgrammar_plugins.adapters.mlx_lm.generate import generate_tokens
+
+    seen = []
+    real = D.build_chain
+
+    def spy(names, ctx):
+        seen.append((tuple(names), ctx.recipe))
+        ctx.recipe = None  # no such pack: only the plumbing is under test here
+        return real(names, ctx)
+
+    monkeypatch.setattr("specgrammar_plugins.adapters.mlx_lm.generate.build_chain", spy)
+    model, draft, tok = tiny
+    generate_tokens(model, tok, prompt_ids(tok, "Find the year: 1999"), max_tokens=6, draft_model=draft,
+                    constraint=ConstraintSpec.regex(r"[0-9]{4}"), recipe="my-pack", temperature=0.0)
+    from specgrammar_plugins.requests import DEFAULT_DRAFTERS
+
+    assert seen == [(tuple(DEFAULT_DRAFTERS), "my-pack")]
+
+
+def test_blind_draft_is_still_exact_at_greedy(tiny):
+    from specgrammar_plugins.adapters.mlx_lm.generate import generate_tokens
+
+    model, draft, tok = tiny
+    ex = examples("sql", "eval", 1)[0]
+    ids = prompt_ids(tok, ex.prompt)
+    ref = plain_generate_step(model, ids, processor=_processor(ex.constraint, tok, model), max_tokens=MAX_TOKENS,
+                              eos_ids=set(tok.eos_token_ids))
+    out, st = generate_tokens(model, tok, ids, max_tokens=MAX_TOKENS, draft_model=draft, num_draft_tokens=4,
+                              constraint=ex.constraint, drafters=["model"], blind=True, temperature=0.0)
+    assert out == ref
