@@ -58,13 +58,43 @@ def _model(ctx):
 
 
 def _recipe(ctx):
-    return None  # recipe packs: see recipes.py (issue 7); no pack, no drafts
+    """A ``RecipeDrafter`` over ``ctx.recipe`` (a ``RecipePack``, a pack file, or a shipped pack's name; also
+    ``ctx.options["recipe"]``); no pack, no drafter.  The pack must be for ``ctx.tokenizer``
+    (fingerprint-checked).  ``ctx.options``: ``recipe_misslog`` (a ``MissLog`` or a path),
+    ``recipe_unconstrained`` (draft without a grammar too)."""
+    from .drafters import RecipeDrafter
+    from .recipes import MissLog, load_pack
+
+    pack = ctx.recipe if ctx.recipe is not None else ctx.options.get("recipe")
+    if pack is None:
+        return None
+    tok = ctx.tokenizer if hasattr(ctx.tokenizer, "fingerprint") else None
+    pack = load_pack(pack, tok)
+    if tok is not None and tok.fingerprint != pack.fingerprint:
+        pack.bind(tok)  # raises RecipePackError naming the pack and both tokenizers
+    log = ctx.options.get("recipe_misslog")
+    if log is not None and not isinstance(log, MissLog):
+        log = MissLog(log)
+    return RecipeDrafter(pack, unconstrained=bool(ctx.options.get("recipe_unconstrained", False)), misslog=log)
+
+
+def _suffix(ctx):
+    """A ``SuffixDrafter`` over the server's online suffix index (``ctx.options["suffix_index"]``, else the
+    process-wide one for this tokenizer)."""
+    from .drafters import SuffixDrafter
+    from .recipes import server_suffix_index
+
+    index = ctx.options.get("suffix_index")
+    if index is None:
+        index = server_suffix_index(getattr(ctx.tokenizer, "fingerprint", None) or "default")
+    return SuffixDrafter(index)
 
 
 @hookimpl
 def register_drafters(register):
     register("forced", _forced)
     register("recipe", _recipe)
+    register("suffix", _suffix)
     register("model", _model)
 
 

@@ -274,3 +274,81 @@ def build_chain(names: Sequence[str], ctx: DraftContext) -> Drafter | None:
     if not out:
         return None
     return out[0] if len(out) == 1 else ChainDrafter(out)
+
+
+class RecipeDrafter:
+    """Recipe-pack lookup (``recipes.RecipePack``): the run the pack holds for the current context, as one-hot
+    drafts, cut at the first token the grammar refuses (``push`` checks the block's mask, which verification
+    reuses).  Proposes nothing without a grammar unless ``unconstrained`` (a structured-output pack has nothing
+    to say about free prose, and a wrong draft there only costs verification width).
+
+    ``observe(tokens, start)`` after a finished request logs it to ``misslog`` (``recipes.MissLog``) when the
+    pack missed often, for a later build to fold in."""
+
+    name = "recipe"
+
+    def __init__(self, pack, *, unconstrained: bool = False, misslog=None):
+        self.pack = pack
+        self.unconstrained = unconstrained
+        self.misslog = misslog
+        self.lookups = 0
+        self.hits = 0
+
+    def extend(self, block: DraftBlock, budget: int) -> int:
+        if budget <= 0 or (block.matcher is None and not self.unconstrained):
+            return 0
+        self.lookups += 1
+        run = self.pack.lookup(block.sequence())
+        if not run:
+            return 0
+        n = 0
+        for t in run[:budget]:
+            if not block.push(t, None, self.name):
+                break
+            n += 1
+        if n:
+            self.hits += 1
+        return n
+
+    def observe(self, tokens: Sequence[int], start: int = 0) -> None:
+        if self.misslog is not None:
+            self.misslog.observe(tokens[:start], tokens[start:], self.lookups - self.hits)
+
+
+class SuffixDrafter:
+    """Online recipes: proposes from a per-server ``recipes.SuffixIndex`` over recently verified outputs
+    (SuffixDecoding-style) and teaches it each finished request through ``observe(tokens, start)``."""
+
+    name = "suffix"
+
+    def __init__(self, index, *, unconstrained: bool = True):
+        self.index = index
+        self.unconstrained = unconstrained
+
+    def extend(self, block: DraftBlock, budget: int) -> int:
+        if budget <= 0 or (block.matcher is None and not self.unconstrained):
+            return 0
+        run = self.index.lookup(block.sequence(), budget)
+        if not run:
+            return 0
+        n = 0
+        for t in run:
+            if not block.push(t, None, self.name):
+                break
+            n += 1
+        return n
+
+    def observe(self, tokens: Sequence[int], start: int = 0) -> None:
+        self.index.observe(tokens, start)
+
+
+def observe(drafter: Drafter | None, tokens: Sequence[int], start: int = 0) -> None:
+    """Tell a request's drafter (or every drafter of a chain) the finished sequence: ``tokens`` = prompt + output,
+    ``start`` = the prompt's length.  Hosts call this once per finished request; learning drafters (suffix, recipe
+    miss logs) use it, the others ignore it."""
+    if drafter is None:
+        return
+    for d in getattr(drafter, "drafters", [drafter]):
+        fn = getattr(d, "observe", None)
+        if fn is not None:
+            fn(tokens, start)
