@@ -167,7 +167,9 @@ class ForcedDrafter:
         toks = list(forced.tokens)
         if not toks and forced.text and self.encode is not None:
             try:
-                toks = self.encode(forced.text.decode("utf-8"))
+                # the string's last token may merge with the text that follows it (forced 'age"' then ':' is
+                # tokenized 'age' '":' by the model), so a draft of it would be rejected: propose the others
+                toks = self.encode(forced.text.decode("utf-8"))[:-1]
             except UnicodeDecodeError:
                 toks = []
         n = 0
