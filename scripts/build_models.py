@@ -1,0 +1,436 @@
+#!/usr/bin/env python
+"""Build the bundled tiny model family from scratch, deterministically, on CPU.
+
+    .venv/bin/python scripts/build_models.py                 # tokenizer + target + draft + GGUF + metrics
+    .venv/bin/python scripts/build_models.py --eval-only     # re-measure the committed models (metrics.json)
+
+1. tokenizer: byte-level BPE (1024 tokens: 3 ChatML specials, the 256 bytes, merges) trained with ``tokenizers``
+   on the training split of every workload (``specgrammar_plugins.workloads``); saved as HF files.
+2. target (Llama, hidden 256, 4 layers, 4 heads, ~3.3M params) and draft (hidden 128, 2 layers, ~0.5M params):
+   AdamW on the training split, loss on the answer tokens (and EOS) only, fp32, 1 thread, seeded.
+3. export: transformers folders (safetensors, ``rope_theta`` added to config.json, tokenizer files copied in)
+   and GGUF files (llama arch, ``gpt2`` BPE vocab, ``gpt-2`` pre-tokenizer) for llama.cpp.
+4. metrics.json: per structured workload, greedy validity / exact match on the eval split with the grammar on
+   (through the core's matchers) and off; draft/target greedy agreement teacher-forced along the target's greedy
+   answers; the recorded greedy outputs the tests reproduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import numpy as np  # noqa: E402
+
+from specgrammar_plugins import workloads as W  # noqa: E402
+from specgrammar_plugins.models import TINY_DIR  # noqa: E402
+
+SEED = 1234
+THREADS = 1  # one thread: deterministic, and on a shared 2-core machine 2 threads spin (2-3x slower)
+VOCAB = 1024
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+MAX_LEN = 128
+
+ARCH = {
+    "target": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=4),
+    "draft": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2),
+}
+TRAIN = {
+    "target": dict(steps=400, batch=32, lr=2e-3, warmup=30, seed=SEED + 1),
+    "draft": dict(steps=250, batch=32, lr=3e-3, warmup=20, seed=SEED + 2),
+}
+
+
+def log(*a):
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- tokenizer
+def train_tokenizer(out: Path, texts: list[str]) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, min_frequency=2, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 additional_special_tokens=["<|im_start|>"])
+    hf.chat_template = CHAT_TEMPLATE
+    hf.model_max_length = 512
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(str(out))
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg.update(chat_template=CHAT_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None,
+               add_bos_token=False, add_eos_token=False, clean_up_tokenization_spaces=False,
+               tokenizer_class="PreTrainedTokenizerFast", model_max_length=512)
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "additional_special_tokens": ["<|im_start|>"]},
+        indent=2) + "\n")
+    # the chat_template file some transformers versions write is redundant with tokenizer_config.json
+    for extra in ("chat_template.jinja",):
+        if (out / extra).exists():
+            (out / extra).unlink()
+
+
+def load_hf_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+# ---------------------------------------------------------------------------------------------- data
+def encode_examples(hf_tok, exs) -> list[tuple[list[int], int]]:
+    """(ids, answer_start) per example: ids = prompt + answer + EOS."""
+    eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    out = []
+    for e in exs:
+        p = hf_tok.encode(W.chat_prompt(e.prompt), add_special_tokens=False)
+        a = hf_tok.encode(e.reference, add_special_tokens=False)
+        ids = (p + a + [eos])[:MAX_LEN]
+        out.append((ids, len(p)))
+    return out
+
+
+def train_model(which: str, data: list[tuple[list[int], int]], vocab_size: int, pad_id: int, eos_id: int,
+                bos_id: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hp = TRAIN[which]
+    torch.manual_seed(hp["seed"])
+    cfg = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
+                      attention_bias=False, mlp_bias=False, hidden_act="silu", **ARCH[which])
+    model = LlamaForCausalLM(cfg)
+    model.to(torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"{which}: {n_params} parameters, {hp['steps']} steps")
+    opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], betas=(0.9, 0.95), weight_decay=0.01, eps=1e-8)
+    rng = random.Random(hp["seed"])
+    batches: list[list[int]] = []
+    losses = []
+    t0 = time.perf_counter()
+    model.train()
+    for step in range(hp["steps"]):
+        lr = hp["lr"] * min(1.0, (step + 1) / hp["warmup"])
+        if step >= hp["warmup"]:
+            frac = (step - hp["warmup"]) / max(1, hp["steps"] - hp["warmup"])
+            lr = hp["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        if not batches:
+            batches = _epoch_batches(data, hp["batch"], rng)
+        batch = [data[i] for i in batches.pop()]
+        L = max(len(ids) for ids, _ in batch)
+        x = torch.full((len(batch), L), pad_id, dtype=torch.long)
+        y = torch.full((len(batch), L), -100, dtype=torch.long)
+        for i, (ids, a) in enumerate(batch):
+            x[i, : len(ids)] = torch.tensor(ids)
+            y[i, a - 1: len(ids) - 1] = torch.tensor(ids[a:])
+        logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                                 ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0 or step == hp["steps"] - 1:
+            log(f"{which} step {step} loss {np.mean(losses[-50:]):.4f} lr {lr:.2e} "
+                f"{time.perf_counter() - t0:.0f}s")
+    model.eval()
+    info = dict(params=n_params, steps=hp["steps"], batch=hp["batch"], lr=hp["lr"],
+                train_seconds=round(time.perf_counter() - t0, 1), final_loss=round(float(np.mean(losses[-50:])), 4),
+                arch=ARCH[which])
+    return model, info
+
+
+def _epoch_batches(data, bs: int, rng: random.Random, pool: int = 8) -> list[list[int]]:
+    """One epoch of batches with little padding: shuffle, sort each pool of ``pool`` batches by length, split."""
+    order = list(range(len(data)))
+    rng.shuffle(order)
+    out = []
+    for s in range(0, len(order), bs * pool):
+        chunk = sorted(order[s: s + bs * pool], key=lambda i: len(data[i][0]))
+        out.extend(chunk[j: j + bs] for j in range(0, len(chunk), bs) if len(chunk[j: j + bs]) == bs)
+    rng.shuffle(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- export
+def save_hf(model, folder: Path, tok_dir: Path) -> None:
+    if folder.exists():
+        shutil.rmtree(folder)
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    model.generation_config.bos_token_id = model.config.bos_token_id
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    model.save_pretrained(str(folder))
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    rp = cfg.get("rope_parameters") or {}
+    cfg["rope_theta"] = float(rp.get("rope_theta", 10000.0))  # mlx-lm reads rope_theta; transformers 5 omits it
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for f in TOKENIZER_FILES:
+        shutil.copy(tok_dir / f, folder / f)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF (rotate-half) q/k row order -> llama.cpp (interleaved) order, as convert_hf_to_gguf.py does."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in GGUF_NAMES:
+        return GGUF_NAMES[hf_name]
+    parts = hf_name.split(".")  # model.layers.{i}.rest
+    return f"blk.{parts[2]}.{GGUF_LAYER['.'.join(parts[3:])]}"
+
+
+def write_gguf(folder: Path, path: Path, name: str) -> None:
+    import gguf
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    tcfg = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = tj["model"]["vocab"]
+    added = {a["content"]: a["id"] for a in tj["added_tokens"]}
+    n = cfg["vocab_size"]
+    tokens = [None] * n
+    for piece, i in {**vocab, **added}.items():
+        tokens[i] = piece
+    tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
+    types = [gguf.TokenType.CONTROL if t in added else gguf.TokenType.NORMAL for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg["hidden_size"] // nh
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(name)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_rope_dimension_count(hd)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_vocab_size(n)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(added["<|endoftext|>"])
+    w.add_eos_token_id(added["<|im_end|>"])
+    w.add_pad_token_id(added["<|endoftext|>"])
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+    w.add_chat_template(tcfg["chat_template"])
+    tensors = load_file(str(folder / "model.safetensors"))
+    for k in sorted(tensors, key=_tensor_order):
+        arr = np.ascontiguousarray(tensors[k].astype(np.float32))
+        if k.endswith("q_proj.weight"):
+            arr = permute_qk(arr, nh)
+        elif k.endswith("k_proj.weight"):
+            arr = permute_qk(arr, nkv)
+        w.add_tensor(gguf_name(k), arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _tensor_order(k: str):
+    parts = k.split(".")
+    if parts[:2] == ["model", "layers"]:
+        return (1, int(parts[2]), ".".join(parts[3:]))
+    return (0 if "embed" in k else 2, 0, k)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+def evaluate(out: Path, n_eval: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specgrammar_plugins.constraint import ConstraintError
+    from specgrammar_plugins.models.reference import default_engine, greedy_generate, teacher_forced_argmax
+    from specgrammar_plugins.tokenizer import TokenizerInfo
+
+    hf_tok = load_hf_tokenizer(out)
+    target = AutoModelForCausalLM.from_pretrained(str(out / "target"), dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(out / "draft"), dtype=torch.float32).eval()
+    V = target.config.vocab_size
+    tok = TokenizerInfo.from_file(out, vocab_size=V, name="tiny")
+    eos = tok.eos_token_id
+
+    def text_of(ids):
+        return hf_tok.decode([t for t in ids if t != eos], skip_special_tokens=False)
+
+    res: dict = {"n_eval": n_eval, "workloads": {}}
+    agree_hits = agree_total = 0
+    for w in W.WORKLOADS:
+        exs = W.examples(w, "eval", n_eval)
+        spec = W.constraint(w)
+        r: dict = {"constraint": None if spec is None else spec.kind}
+        t0 = time.perf_counter()
+        free_out, free_ids = [], []
+        for e in exs:
+            p = hf_tok.encode(W.chat_prompt(e.prompt), add_special_tokens=False)
+            ids = greedy_generate(target, tok, p, None, max_new_tokens=64)
+            free_ids.append(ids)
+            free_out.append(text_of(ids))
+        r["unconstrained"] = _scores(w, exs, free_out, free_ids, eos)
+        r["unconstrained"]["outputs"] = free_out
+        r["unconstrained"]["output_ids"] = [" ".join(map(str, i)) for i in free_ids]
+        if spec is not None:
+            engine = default_engine(spec)
+            r["engine"] = engine
+            try:
+                con_out, con_ids = [], []
+                for e in exs:
+                    p = hf_tok.encode(W.chat_prompt(e.prompt), add_special_tokens=False)
+                    ids = greedy_generate(target, tok, p, spec, engine=engine, max_new_tokens=96)
+                    con_ids.append(ids)
+                    con_out.append(text_of(ids))
+                r["constrained"] = _scores(w, exs, con_out, con_ids, eos)
+                r["constrained"]["outputs"] = con_out
+                r["constrained"]["output_ids"] = [" ".join(map(str, i)) for i in con_ids]
+            except ConstraintError as err:
+                r["constrained"] = {"skipped": str(err)}
+        # draft/target agreement, teacher-forced along the target's greedy (unconstrained) answers
+        hits = total = 0
+        for e, ids in zip(exs, free_ids):
+            p = hf_tok.encode(W.chat_prompt(e.prompt), add_special_tokens=False)
+            seq = p + ids
+            ta = teacher_forced_argmax(target, seq)[len(p) - 1: len(seq) - 1]
+            da = teacher_forced_argmax(draft, seq)[len(p) - 1: len(seq) - 1]
+            hits += int((ta == da).sum())
+            total += len(ta)
+        r["agreement"] = round(hits / max(1, total), 4)
+        r["agreement_tokens"] = total
+        agree_hits += hits
+        agree_total += total
+        r["eval_seconds"] = round(time.perf_counter() - t0, 1)
+        res["workloads"][w] = r
+        log(w, json.dumps({k: ({kk: vv for kk, vv in v.items() if "outputs" not in kk and "ids" not in kk}
+                               if isinstance(v, dict) else v)
+                           for k, v in r.items()}))
+    res["agreement"] = round(agree_hits / max(1, agree_total), 4)
+    res["agreement_tokens"] = agree_total
+    return res
+
+
+def _scores(w: str, exs, outs: list[str], ids: list[list[int]], eos: int) -> dict:
+    n = len(exs)
+    valid = sum(W.is_valid(w, o) for o in outs)
+    exact = sum(o == e.reference for o, e in zip(outs, exs))
+    stopped = sum(bool(i) and i[-1] == eos for i in ids)
+    return {"valid_rate": round(valid / n, 4), "exact_rate": round(exact / n, 4), "eos_rate": round(stopped / n, 4)}
+
+
+# ---------------------------------------------------------------------------------------------- main
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=TINY_DIR)
+    ap.add_argument("--eval-only", action="store_true", help="re-measure the models in --out, keep the weights")
+    ap.add_argument("--n-eval", type=int, default=50)
+    ap.add_argument("--target-steps", type=int, default=TRAIN["target"]["steps"])
+    ap.add_argument("--draft-steps", type=int, default=TRAIN["draft"]["steps"])
+    args = ap.parse_args(argv)
+    TRAIN["target"]["steps"], TRAIN["draft"]["steps"] = args.target_steps, args.draft_steps
+
+    import torch
+
+    torch.set_num_threads(THREADS)
+    # (torch.use_deterministic_algorithms is not needed on CPU with a fixed thread count, and costs 2.4x here)
+    random.seed(SEED)
+    np.random.seed(SEED)
+    torch.manual_seed(SEED)
+    out: Path = args.out
+    metrics_path = out / "metrics.json"
+    metrics = json.loads(metrics_path.read_text()) if args.eval_only and metrics_path.exists() else {}
+    t_all = time.perf_counter()
+
+    if not args.eval_only:
+        train = [e for w in W.WORKLOADS for e in W.examples(w, "train")]
+        t0 = time.perf_counter()
+        train_tokenizer(out, [W.training_text(e) for e in train])
+        log(f"tokenizer trained in {time.perf_counter() - t0:.1f}s")
+        hf_tok = load_hf_tokenizer(out)
+        data = encode_examples(hf_tok, train)
+        lens = [len(d[0]) for d in data]
+        log(f"{len(data)} training sequences, length mean {np.mean(lens):.1f} max {max(lens)}")
+        ids = {s: hf_tok.convert_tokens_to_ids(s) for s in SPECIALS}
+        metrics = {"seed": SEED, "threads": THREADS, "torch": torch.__version__,
+                   "tokenizer": {"vocab_size": VOCAB, "specials": ids, "train_sequences": len(data),
+                                 "mean_sequence_tokens": round(float(np.mean(lens)), 1)}}
+        for which in ("target", "draft"):
+            model, info = train_model(which, data, VOCAB, ids["<|endoftext|>"], ids["<|im_end|>"],
+                                      ids["<|endoftext|>"])
+            save_hf(model, out / which, out)
+            write_gguf(out / which, out / f"{which}.gguf", f"specgrammar-tiny-{which}")
+            info["safetensors_sha256"] = sha256(out / which / "model.safetensors")
+            info["gguf_sha256"] = sha256(out / f"{which}.gguf")
+            metrics[which] = info
+            del model
+        metrics["tokenizer"]["tokenizer_json_sha256"] = sha256(out / "tokenizer.json")
+    metrics["eval"] = evaluate(out, args.n_eval)
+    metrics["agreement"] = metrics["eval"]["agreement"]
+    metrics["build_seconds"] = round(time.perf_counter() - t_all, 1)
+    metrics_path.write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
+    log(f"wrote {metrics_path}; agreement {metrics['agreement']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
