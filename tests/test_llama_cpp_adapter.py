@@ -243,3 +243,20 @@ def test_runner_rollback_and_rows(stock):
     assert r.tokens == p[:-1]
     with pytest.raises(ValueError):
         r.trim(len(p) + 5)
+
+
+def test_logprobs_with_logits_all_match_stock():
+    """With logits_all=True the host reads logprobs from its scores buffer; our runner fills it like its eval."""
+    from specgrammar_plugins.adapters.llama_cpp import SpecLlama
+
+    kw = dict(KW, logits_all=True)
+    prompt = chat_prompt(examples("email", "eval", 1)[0].prompt)
+    g = REGEX_GBNF["email"]
+    a = llama_cpp.Llama(str(TARGET), **kw).create_completion(prompt, max_tokens=12, temperature=0, logprobs=2,
+                                                            grammar=llama_cpp.LlamaGrammar.from_string(g, verbose=False))
+    b = SpecLlama(str(TARGET), draft=str(DRAFT), k=3, **kw).create_completion(prompt, max_tokens=12, temperature=0,
+                                                                              logprobs=2, grammar=g)
+    la, lb = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+    assert la["tokens"] == lb["tokens"]
+    np.testing.assert_allclose(la["token_logprobs"], lb["token_logprobs"], atol=1e-3)
+    assert [sorted(d) for d in la["top_logprobs"]] == [sorted(d) for d in lb["top_logprobs"]]

@@ -4,8 +4,8 @@
 ``LlamaRunner.forward`` is one ``llama_decode`` per ``n_batch`` chunk with the batch's logits flags set only on the
 rows the caller wants (no ``logits_all=True`` needed), and ``trim`` is ``llama_memory_seq_rm`` with its return
 value checked (llama-cpp-python 0.3.36 ignores it, llama.py:1010-1014).  The runner keeps the host's own
-bookkeeping (``Llama.input_ids`` / ``n_tokens``) equal to what the KV cache holds, so the stock ``generate()``'s
-prefix reuse keeps working on the same object.
+bookkeeping (``Llama.input_ids`` / ``n_tokens``, and ``scores`` when the model was made with ``logits_all=True``, for logprobs)
+equal to what the KV cache holds, so the stock ``generate()``'s prefix reuse keeps working on the same object.
 """
 
 from __future__ import annotations
@@ -121,6 +121,8 @@ class LlamaRunner:
         out = np.empty((m, self.vocab_size), dtype=np.float32)
         start = n - m
         row = 0
+        # with logits_all=True the host reads logprobs from its scores buffer: fill every row of it, as its eval does
+        keep_all = bool(getattr(llama, "_logits_all", False))
         b = self._batch
         ctx = llama.ctx
         llama._requires_eval = True  # the host's "current logits" are no longer those of its last token
@@ -133,19 +135,23 @@ class LlamaRunner:
                 b.pos[i] = past + i
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = 0
-                b.logits[i] = (c0 + i) >= start
+                b.logits[i] = keep_all or (c0 + i) >= start
             rc = llama_cpp.llama_decode(ctx, b)
             self.decodes += 1
             if rc != 0:
                 raise RuntimeError(f"llama_decode returned {rc} (batch of {len(chunk)} at position {past})")
             llama.input_ids[past:past + len(chunk)] = chunk
             llama.n_tokens = past + len(chunk)
-            for i in range(max(0, start - c0), len(chunk)):
+            for i in range(0 if keep_all else max(0, start - c0), len(chunk)):
                 ptr = llama_cpp.llama_get_logits_ith(ctx, i)
                 if not ptr:
                     raise RuntimeError(f"llama_get_logits_ith({i}) returned NULL")
-                out[row] = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
-                row += 1
+                logits = np.ctypeslib.as_array(ptr, shape=(self.vocab_size,))
+                if keep_all:
+                    llama.scores[past + i, :] = logits
+                if c0 + i >= start:
+                    out[row] = logits
+                    row += 1
         self.rows += m
         self.last = out
         if self.processors and m:
