@@ -260,3 +260,24 @@ def test_logprobs_with_logits_all_match_stock():
     assert la["tokens"] == lb["tokens"]
     np.testing.assert_allclose(la["token_logprobs"], lb["token_logprobs"], atol=1e-3)
     assert [sorted(d) for d in la["top_logprobs"]] == [sorted(d) for d in lb["top_logprobs"]]
+
+
+def test_recipe_pack_drafts_without_a_draft_model(stock):
+    """Drafts from a recipe pack (built from the target's own greedy outputs) and forced tokens, no draft model:
+    the output is unchanged and most tokens come from drafts."""
+    from specgrammar_plugins.adapters.llama_cpp import SpecLlama, tokenizer_info
+    from specgrammar_plugins.recipes import Sample, build
+
+    gbnf = gbnf_for("tool_call")
+    exs = examples("tool_call", "eval", 3)
+    outs = []
+    for e in exs:
+        p = prompt_tokens(stock, e.prompt)
+        outs.append((p, greedy_tokens(stock, p, gbnf)))
+    pack = build([Sample(tuple(p), tuple(o)) for p, o in outs for _ in range(3)], tokenizer_info(stock), min_count=1)
+    llm = SpecLlama(str(TARGET), k=8, drafters=("forced", "recipe"), recipe=pack, **KW)
+    for p, want in outs:
+        assert greedy_tokens(llm, p, gbnf) == want
+        st = llm.last_stats
+        assert st.accepted_by_source.get("recipe", 0) > 0
+        assert st.tokens_per_pass > 1.5, st.as_dict()
