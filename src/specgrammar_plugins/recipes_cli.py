@@ -27,6 +27,19 @@ def _default_model() -> str:
     return str(tiny_path("target"))
 
 
+def model_digest(model: str | None) -> str | None:
+    """First 16 hex digits of the sha256 of the model's weights (recorded in a pack's meta)."""
+    import hashlib
+
+    files = sorted(Path(model or _default_model()).glob("*.safetensors"))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def load_target(model: str | None):
     """(runner, TokenizerInfo) for a model folder, through the mlx-lm adapter's runner."""
     from .tokenizer import TokenizerInfo
@@ -63,25 +76,39 @@ def cmd_build(a) -> int:
     names = _workloads(a.workload)
     extra = R.MissLog(a.misses).samples() if a.misses else []
     packs = []
+    all_samples = []
     for w in names:
         exs = examples(w, "train", a.n)
-        print(f"{w}: sampling {len(exs)} train prompts x {a.k}", file=sys.stderr)
-        samples = R.sample(runner, tok, exs, k=a.k, temperature=a.temperature, max_tokens=a.max_tokens,
-                           engine=a.engine, seed=a.seed, progress=not a.quiet)
+        cache = Path(a.samples) / f"{w}.jsonl" if a.samples else None
+        if cache is not None and cache.exists():
+            samples = [R.Sample(tuple(d["prompt"]), tuple(d["output"]), w)
+                       for d in map(json.loads, cache.read_text().splitlines())]
+            print(f"{w}: {len(samples)} samples from {cache}", file=sys.stderr)
+        else:
+            print(f"{w}: sampling {len(exs)} train prompts x {a.k}", file=sys.stderr)
+            samples = R.sample(runner, tok, exs, k=a.k, temperature=a.temperature, max_tokens=a.max_tokens,
+                               engine=a.engine, seed=a.seed, progress=not a.quiet)
+            if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                cache.write_text("".join(json.dumps({"prompt": list(x.prompt), "output": list(x.output)}) + "\n"
+                                         for x in samples))
         pack = R.build(samples, tok, min_count=a.min_count, agree=a.agree, max_recipes=a.max_recipes, progress=False,
                        extra=extra, meta={"workloads": [w], "split": "train", "prompts": len(exs), "k": a.k,
-                                          "temperature": a.temperature, "model": Path(a.model or _default_model()).name})
+                                          "temperature": a.temperature, "model": Path(a.model or _default_model()).name,
+                                          "model_sha256": model_digest(a.model)})
         packs.append(pack)
+        all_samples.append(samples)
         if not a.merged_only:
             out = Path(a.out) if a.out and len(names) == 1 else Path(a.dir) / f"{w}.json"
             pack.save(out)
             print(f"{out}: {json.dumps(pack.stats())}")
     if len(packs) > 1 and (a.merged or a.merged_only):
-        m = packs[0]
-        for p in packs[1:]:
-            m = R.merge(m, p, agree=a.agree)
-        m.meta = {"workloads": names, "merged_from": [p.meta for p in packs]}
-        m.prune(a.max_recipes)
+        # one pack from every workload's samples (more faithful than merging the packs: a key two workloads
+        # share is judged on all its occurrences)
+        m = R.build([s for ss in all_samples for s in ss], tok, min_count=a.min_count, agree=a.agree,
+                    max_recipes=a.max_recipes, extra=extra,
+                    meta={"workloads": names, "split": "train", "prompts": a.n, "k": a.k, "temperature": a.temperature,
+                          "model": Path(a.model or _default_model()).name, "model_sha256": model_digest(a.model)})
         out = Path(a.out) if a.out else Path(a.dir) / "structured.json"
         m.save(out)
         print(f"{out}: {json.dumps(m.stats())}")
@@ -170,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-recipes", type=int, default=R.DEFAULTS["max_recipes"])
     b.add_argument("--misses", help="a miss log (JSON lines) to fold in")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--samples", help="folder caching the verified samples per workload (reused when present)")
     b.add_argument("--dir", default=str(R.SHIPPED_DIR), help="output folder (default: the shipped recipes/)")
     b.add_argument("-o", "--out", help="output file (one workload, or the merged pack)")
     b.add_argument("--merged", action="store_true", help="also write the merged pack (structured.json)")
