@@ -9,9 +9,11 @@ written as GBNF, JSON schemas through llama-cpp-python's own converter, the SQL 
     ours             SpecLlama(target, draft=draft): forced tokens + draft model, exact residual verification
     ours-forced      SpecLlama(target): forced tokens only, no draft model
 
-Reported per configuration: tokens per target pass (a target pass = one llama_decode on the target context after
-the prompt; ours: ``Stats.target_passes``), wall-clock seconds and the ratio to ``stock``, and whether every output
-equals ``stock``'s (greedy).  Grammars are compiled (and each configuration warmed) before timing.
+Reported per configuration: tokens (the end-of-generation token included), target passes (stock: llama_decode
+calls on the target context, the prompt's included as it yields the first token; ours: ``Stats.target_passes``,
+the prefill of prompt[:-1] excluded likewise), tokens per target pass, wall-clock seconds, ms per token and its
+ratio to ``stock``, and whether every output equals ``stock``'s (greedy).  Grammars are compiled (and each
+configuration warmed) before timing.
 
     python -m specgrammar_plugins.bench.llama_cpp_host [--n 3] [--k 4] [--max-tokens 64] [--temperature 0]
                                                        [--threads 1] [--workloads ...] [--out results.json]
@@ -186,14 +188,17 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({', '.join(workloads)}), k={args.k}, max_tokens={args.max_tokens}, T={args.temperature}, "
           f"threads={args.threads}")
     print()
-    print("| configuration | tokens / target pass | wall-clock s | wall-clock vs stock | same output as stock |")
-    print("|---|---|---|---|---|")
+    print("| configuration | tokens | target passes | tokens / target pass | wall-clock s | ms / token "
+          "| wall-clock per token vs stock | same output as stock |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in names:
         r = results[name]
-        ratio = f"{r['seconds'] / base['seconds']:.2f}x" if base else "-"
+        r["ms_per_token"] = 1e3 * r["seconds"] / max(r["tokens"], 1)
+        ratio = f"{r['ms_per_token'] / (1e3 * base['seconds'] / max(base['tokens'], 1)):.2f}x" if base else "-"
         same = "-" if not base or name == "stock" or args.temperature > 0 else (
             f"{sum(a == b for a, b in zip(outputs[name], outputs['stock']))}/{len(requests)}")
-        print(f"| {name} | {r['tokens_per_pass']:.2f} | {r['seconds']:.2f} | {ratio} | {same} |")
+        print(f"| {name} | {r['tokens']} | {r['target_passes']} | {r['tokens_per_pass']:.2f} | {r['seconds']:.2f} "
+              f"| {r['ms_per_token']:.2f} | {ratio} | {same} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results, "outputs": outputs}, f, indent=1)
