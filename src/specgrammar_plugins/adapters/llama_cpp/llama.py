@@ -124,15 +124,13 @@ class SpecLlama(Llama):
                 raise TypeError(f"constraint must be a ConstraintSpec, not {type(c).__name__}")
             found.append(("constraint", c))
         g = kwargs.get("grammar")
-        if isinstance(g, ValidatedGrammar):
-            return kwargs
         if g is not None:
             found.append(("grammar", g))
         if len(found) > 1:
             raise ConstraintError("only one constraint may be given per request; got " +
                                   ", ".join(name for name, _ in found))
-        if not found and options == SpecOptions():
-            return kwargs
+        if isinstance(g, ValidatedGrammar) or (not found and options == SpecOptions()):
+            return kwargs  # already validated (the chat path calls create_completion), or nothing to do
         obj = found[0][1] if found else None
         compiled = compile_for(obj, tokenizer_info(self), options.engine or self.engine)
         kwargs["grammar"] = ValidatedGrammar(compiled.spec if compiled is not None else None, compiled, options)
