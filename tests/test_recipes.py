@@ -199,10 +199,13 @@ def test_suffix_index_learns_online_and_is_bounded(toy_tok):
     seq = tok.encode("ab") + tok.encode('{"id": 12, "name": "x"}')
     assert idx.lookup(seq[:8]) is None
     idx.observe(seq, 2)
+    assert idx.lookup(seq[:8]) is None  # seen once: min_support=2 occurrences must agree
+    idx.observe(seq, 2)
     assert idx.lookup(seq[:8]) == tuple(seq[8:])
     assert idx.lookup(seq[:8], budget=3) == tuple(seq[8:11])
     for i in range(20):  # older sequences are forgotten once more than max_tokens are held
         idx.observe(tok.encode(f"zz{i}-abcdefghij"), 2)
+    assert len(idx._seqs) < 22
     assert idx.lookup(seq[:8]) is None
     assert idx._held <= 60 + 20
     # the drafter and the factory
@@ -352,3 +355,21 @@ def test_cli_inspect_and_merge(toy_pack, tmp_path, capsys):
     bad.write_text("{")
     assert main(["inspect", str(bad)]) == 2
     assert "bad.json is corrupted" in capsys.readouterr().err
+
+
+def test_online_suffix_drafts_are_lossless_and_learn(toy_tok):
+    tok = toy_tok
+    c = compile_constraint(ConstraintSpec.regex(RECORD), tok, engine="dfa")
+    idx = SuffixIndex()
+    accepted = 0
+    for i in range(8):
+        prompt = tok.encode(["ab", "xy", "q"][i % 3])
+        ref = plain_decode(_runner(tok), prompt, c.matcher(), GREEDY, 30, np.random.default_rng(0),
+                           tok.stop_token_ids)
+        d = build_chain(["forced", "suffix"], DraftContext(tokenizer=tok, options={"suffix_index": idx}))
+        loop = SpeculativeLoop(_runner(tok), prompt, constraint=c, drafter=d, k=8, params=GREEDY, max_tokens=30,
+                               seed=0)
+        assert loop.generate() == ref
+        observe(d, [*prompt, *loop.emitted], len(prompt))
+        accepted += loop.stats.accepted_by_source.get("suffix", 0)
+    assert idx.observed == 8 and accepted > 0

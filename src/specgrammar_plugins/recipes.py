@@ -642,13 +642,14 @@ class SuffixIndex:
 
     ``observe(tokens, start)`` adds one finished sequence (``tokens[start:]`` is the output; the ``context``
     tokens before it are kept so keys can reach into the prompt's tail).  Lookup takes the longest key (up to
-    ``max_key`` tokens, at least ``min_key``) that matches the context's suffix and returns the most frequent
-    continuation among the latest occurrences.  The oldest sequences are forgotten once more than ``max_tokens``
+    ``max_key`` tokens, at least ``min_key``) that matches the context's suffix and has a continuation, and returns
+    the majority path through its ``per_key`` latest occurrences, as long as ``min_support`` of them agree.  The oldest sequences are forgotten once more than ``max_tokens``
     are held; the key table is an LRU of ``max_keys`` entries."""
 
     def __init__(self, *, max_key: int = 8, min_key: int = 2, max_tokens: int = 200_000, max_keys: int = 500_000,
-                 max_run: int = 16, per_key: int = 4, context: int = 8):
+                 max_run: int = 16, per_key: int = 4, context: int = 8, min_support: int = 2):
         self.max_key, self.min_key, self.max_run, self.per_key, self.context = max_key, min_key, max_run, per_key, context
+        self.min_support = min_support  # occurrences that must agree on each proposed token
         self.max_tokens, self.max_keys = max_tokens, max_keys
         self._seqs: OrderedDict[int, tuple[int, ...]] = OrderedDict()
         self._held = 0
@@ -708,10 +709,13 @@ class SuffixIndex:
                         counts[c[len(run)]] = counts.get(c[len(run)], 0) + 1
                 if not counts:
                     break
-                tok = max(counts.items(), key=lambda kv: kv[1])[0]
+                tok, c = max(counts.items(), key=lambda kv: kv[1])
+                if c < self.min_support:
+                    break
                 run.append(tok)
                 conts = [c for c in conts if len(run) <= len(c) and c[len(run) - 1] == tok]
-            return tuple(run) if run else None
+            if run:
+                return tuple(run)
         return None
 
 
