@@ -24,7 +24,11 @@ penalties, typical-p, mirostat, ``reset=False``, recurrent models) fall back to 
 constraint applied as our history-keyed logits processor (no llama.cpp grammar).  ``logits_processor`` and
 ``logit_bias`` are honoured on our path (applied to every verified row with that row's own history), and so are
 ``stopping_criteria`` (asked before each token is yielded, with the ids before it and the logits row it was drawn
-from; the chat handlers pass one).
+from; the chat handlers pass one).  A processor is called for rows past a rejected draft too (their results are
+discarded), so it must be a function of the history it is given, not of call order.
+
+The chat handlers build their own ``LlamaGrammar`` for tool calls (``tool_choice``); ``LlamaGrammar`` only stores
+the text, and ``generate()`` compiles it with our engine, so it never reaches llama.cpp's sampler either.
 """
 
 from __future__ import annotations
