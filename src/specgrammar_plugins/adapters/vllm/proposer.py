@@ -1,0 +1,229 @@
+"""``GrammarProposer``: a grammar-aware speculative proposer for vLLM's V1 engine (``method="custom_class"``).
+
+    vllm serve MODEL --speculative-config '{"method": "custom_class",
+        "model": "specgrammar_plugins.adapters.vllm.proposer.GrammarProposer", "num_speculative_tokens": 4}' \
+        --additional-config '{"specgrammar": {"drafters": ["forced", "recipe"]}}'
+
+vLLM calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)`` once per step
+(gpu_model_runner.py:4778, the CPU runner inherits it) with the batch in the runner's ``input_batch`` order.  For
+each request with structured outputs the proposer keeps one matcher, compiled by the core (``compile_constraint``)
+from the request's own ``StructuredOutputsParams`` with the engine and options vLLM's structured-output backend
+uses (``structured.py``), synced to the committed tokens by history (``HistoryMatcher``: preemption and
+recomputation only move it back).  It drafts on a fork of that matcher through the core's drafter chain
+(``build_chain``: forced tokens and jump-forward strings, recipe packs when they are configured), so every draft
+is grammar-valid and vLLM's ``validate_tokens`` never truncates one.  Drafts are one-hot: vLLM's rejection sampler
+verifies them exactly (accept iff the target samples the same token; greedy: the argmax).  Requests without
+structured outputs get no drafts.
+
+Request state follows the runner's own: it is dropped as soon as a request leaves ``runner.requests`` (finished
+or aborted), checked at every ``propose`` call.
+
+The runner is not passed to ``propose``; it is the caller's ``self`` (found once by walking up the stack).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from dataclasses import replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from ...constraint import compile_constraint
+from ...drafters import DraftBlock, DraftContext, build_chain
+from ...errors import ConstraintError
+from ...processor import HistoryMatcher
+from .structured import engine_options, spec_from_params
+
+log = logging.getLogger("vllm.specgrammar")
+
+_INSTANCES: "weakref.WeakSet[GrammarProposer]" = weakref.WeakSet()
+DEFAULT_DRAFTERS = ("forced", "recipe")
+COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
+            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history")
+
+
+def instances() -> list["GrammarProposer"]:
+    """The proposers alive in this process (tests and benchmarks read their counters)."""
+    return list(_INSTANCES)
+
+
+class _RequestState:
+    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending")
+
+    def __init__(self, history: HistoryMatcher | None, drafter, prompt_len: int, stop_ids: tuple[int, ...]):
+        self.history = history  # None: no grammar (no drafts)
+        self.drafter = drafter
+        self.prompt_len = prompt_len
+        self.stop_ids = stop_ids
+        self.pending = 0  # drafts proposed at the last step, outcome not yet seen
+
+
+class GrammarProposer:
+    """One per model runner (built by vLLM from ``speculative_config.model``)."""
+
+    def __init__(self, vllm_config):
+        from .compat import check_supported
+
+        check_supported()  # refuse unknown vLLM versions with a clear message
+        self.vllm_config = vllm_config
+        spec_cfg = vllm_config.speculative_config
+        self.k = int(spec_cfg.num_speculative_tokens)
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        self.options: dict[str, Any] = dict(extra.get("specgrammar", {}) or {})
+        self.drafter_names = tuple(self.options.get("drafters", DEFAULT_DRAFTERS))
+        engine, eng_opts = engine_options(vllm_config)
+        self.engine = self.options.get("engine", engine)
+        self.engine_options = {**eng_opts, **dict(self.options.get("engine_options", {}) or {})}
+        self.model_config = vllm_config.model_config
+        self.vocab_size = int(self.model_config.get_vocab_size())
+        self.max_model_len = int(self.model_config.max_model_len)
+        self._tokinfo = None
+        self._tokinfos: dict[tuple, Any] = {}
+        self._states: dict[str, _RequestState] = {}
+        self._runner_ref = None
+        self.counters = {name: 0 for name in COUNTERS}
+        self.sources: dict[str, int] = {}
+        self.accepted_by_position = [0] * self.k
+        _INSTANCES.add(self)
+
+    # ------------------------------------------------------------------ vLLM's proposer interface
+    def load_model(self, *args, **kwargs) -> None:
+        """No model of its own (grammar drafts); the tokenizer is read lazily on the first request."""
+
+    def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings=None, **kwargs) -> list[list[int]]:
+        runner = self._runner(sys._getframe(1))
+        req_ids = runner.input_batch.req_ids
+        requests = runner.requests
+        self._prune(requests)
+        out: list[list[int]] = []
+        for i, sampled in enumerate(sampled_token_ids):
+            req_id = req_ids[i] if i < len(req_ids) else None
+            if req_id is None or not sampled:  # a prefill chunk, or nothing sampled: no drafts
+                out.append([])
+                continue
+            st = self._states.get(req_id)
+            if st is None:
+                st = self._states[req_id] = self._new_state(requests.get(req_id))
+            if st.pending:
+                self._observe(st, len(sampled))
+            n = int(num_tokens_no_spec[i])
+            if st.history is None or n >= self.max_model_len:
+                out.append([])
+                continue
+            out.append(self._draft(st, token_ids_cpu[i], n))
+        return out
+
+    # ------------------------------------------------------------------ per request
+    def _new_state(self, req) -> _RequestState:
+        self.counters["requests_seen"] += 1
+        sp = getattr(req, "sampling_params", None)
+        prompt_len = int(getattr(req, "num_prompt_tokens", 0) or 0)
+        spec = spec_from_params(getattr(sp, "structured_outputs", None)) if sp is not None else None
+        if spec is None:
+            self.counters["requests_without_grammar"] += 1
+            return _RequestState(None, None, prompt_len, ())
+        stop_ids = tuple(sorted(int(t) for t in (getattr(sp, "all_stop_token_ids", None) or ())))
+        tok = self._tokenizer_info(stop_ids, getattr(sp, "eos_token_id", None))
+        try:
+            compiled = compile_constraint(spec, tok, engine=self.engine, **self.engine_options)
+        except ConstraintError as e:  # vLLM's own backend refuses it too (or will): no drafts, no failure here
+            self.counters["compile_errors"] += 1
+            log.warning("specgrammar: no grammar drafts for a request: %s", e)
+            return _RequestState(None, None, prompt_len, stop_ids)
+        ctx = DraftContext(tokenizer=tok, target_vocab_size=self.vocab_size, recipe=self.options.get("recipe"),
+                           options=self.options)
+        drafter = build_chain(self.drafter_names, ctx)
+        if drafter is None:
+            return _RequestState(None, None, prompt_len, stop_ids)
+        return _RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
+
+    def _draft(self, st: _RequestState, row: np.ndarray, n: int) -> list[int]:
+        generated = row[st.prompt_len:n].tolist()
+        if not st.history.sync(generated):
+            # a committed token our matcher rejects: vLLM's grammar would have ended the request; never draft
+            self.counters["invalid_history"] += 1
+            return []
+        m = st.history.matcher
+        if m.is_terminated():
+            return []
+        budget = min(self.k, self.max_model_len - n)
+        if budget <= 0:
+            return []
+        block = DraftBlock(row[:n], m.fork(), self.vocab_size, budget, st.stop_ids)
+        while not block.done:
+            if st.drafter.extend(block, budget - len(block.tokens)) <= 0:
+                break
+        drafts = block.tokens
+        if drafts:
+            st.pending = len(drafts)
+            self.counters["rounds"] += 1
+            self.counters["draft_tokens"] += len(drafts)
+            for s in block.sources:
+                self.sources[s] = self.sources.get(s, 0) + 1
+        return drafts
+
+    def _observe(self, st: _RequestState, num_sampled: int) -> None:
+        """The outcome of the last round: ``num_sampled - 1`` drafts were accepted (plus one target token)."""
+        accepted = max(0, min(st.pending, num_sampled - 1))
+        self.counters["verified_rounds"] += 1
+        self.counters["verified_draft_tokens"] += st.pending
+        self.counters["accepted_tokens"] += accepted
+        for j in range(accepted):
+            self.accepted_by_position[j] += 1
+        st.pending = 0
+
+    def _prune(self, live) -> None:
+        if len(self._states) > len(live) or any(r not in live for r in self._states):
+            for r in [r for r in self._states if r not in live]:
+                del self._states[r]
+
+    # ------------------------------------------------------------------ plumbing
+    def _runner(self, frame):
+        runner = self._runner_ref() if self._runner_ref is not None else None
+        if runner is None:
+            f = frame
+            for _ in range(8):
+                if f is None:
+                    break
+                obj = f.f_locals.get("self")
+                if obj is not None and hasattr(obj, "input_batch") and hasattr(obj, "requests"):
+                    runner = obj
+                    break
+                f = f.f_back
+            if runner is None:
+                raise RuntimeError("GrammarProposer.propose must be called by vLLM's model runner")
+            self._runner_ref = weakref.ref(runner)
+        return runner
+
+    def _tokenizer_info(self, stop_ids: tuple[int, ...], eos: int | None):
+        if self._tokinfo is None:
+            from transformers import AutoTokenizer
+
+            from ...tokenizer import TokenizerInfo
+
+            mc = self.model_config
+            hf = AutoTokenizer.from_pretrained(mc.tokenizer, revision=getattr(mc, "tokenizer_revision", None),
+                                               trust_remote_code=bool(getattr(mc, "trust_remote_code", False)))
+            self._tokinfo = TokenizerInfo.from_hf(hf, vocab_size=self.vocab_size)
+        if not stop_ids:
+            return self._tokinfo
+        key = (stop_ids, eos)
+        tok = self._tokinfos.get(key)
+        if tok is None:  # vLLM's grammar stops on the request's stop tokens (override_stop_tokens): so does ours
+            first = eos if eos in stop_ids else stop_ids[0]
+            tok = self._tokinfos[key] = replace(self._tokinfo, eos_token_id=first,
+                                                stop_token_ids=tuple(dict.fromkeys([first, *stop_ids])))
+        return tok
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._states)
+
+    def stats(self) -> dict:
+        return {**self.counters, "sources": dict(self.sources), "accepted_by_position": list(self.accepted_by_position),
+                "live_requests": len(self._states)}
