@@ -300,7 +300,8 @@ class RecipeDrafter:
         if budget <= 0 or (block.matcher is None and not self.unconstrained):
             return 0
         self.lookups += 1
-        run = self.pack.lookup(block.sequence())
+        ctx = block.context
+        run = self.pack.lookup([*ctx[len(ctx) - 64:], *block.tokens] if len(ctx) > 64 else block.sequence())
         if not run:
             return 0
         n = 0
@@ -330,7 +331,8 @@ class SuffixDrafter:
     def extend(self, block: DraftBlock, budget: int) -> int:
         if budget <= 0 or (block.matcher is None and not self.unconstrained):
             return 0
-        run = self.index.lookup(block.sequence(), budget)
+        ctx = block.context
+        run = self.index.lookup([*ctx[len(ctx) - 64:], *block.tokens] if len(ctx) > 64 else block.sequence(), budget)
         if not run:
             return 0
         n = 0

@@ -172,10 +172,12 @@ def cmd_stats(a) -> int:
         res["workload"] = w
         rows.append(res)
         print(json.dumps(res))
-    contexts = []
-    for w in names[:2]:
+    contexts = []  # every decoding position of a few eval answers
+    for w in names:
         for ex in examples(w, "eval", 5):
-            contexts.append(tok.encode(chat_prompt(ex.prompt)))
+            p = tok.encode(chat_prompt(ex.prompt))
+            ref = tok.encode(ex.reference)
+            contexts += [p + ref[:i] for i in range(len(ref) + 1)]
     print(json.dumps({"lookup": R.benchmark_lookup(pack, contexts), "pack": pack.stats()}))
     return 0
 
