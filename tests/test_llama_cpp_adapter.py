@@ -281,3 +281,22 @@ def test_recipe_pack_drafts_without_a_draft_model(stock):
         st = llm.last_stats
         assert st.accepted_by_source.get("recipe", 0) > 0
         assert st.tokens_per_pass > 1.5, st.as_dict()
+
+
+def test_stopping_criteria_like_the_host(stock, ours):
+    """A criterion that stops on a (non end-of-generation) token: same text and finish as the stock loop."""
+    prompt = chat_prompt(examples("sql", "eval", 1)[0].prompt)
+    from_tok = stock.tokenize(b" FROM", add_bos=False)[-1]
+
+    def make():
+        return llama_cpp.StoppingCriteriaList([lambda ids, logits: int(ids[-1]) == from_tok])
+
+    g = gbnf_for("sql")
+    a = stock.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0, stopping_criteria=make(),
+                                grammar=llama_cpp.LlamaGrammar.from_string(g, verbose=False))["choices"][0]
+    for k in (1, 4):
+        ours.k = k
+        b = ours.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0, stopping_criteria=make(),
+                                   grammar=g)["choices"][0]
+        assert (b["text"], b["finish_reason"]) == (a["text"], a["finish_reason"])
+    ours.k = 4

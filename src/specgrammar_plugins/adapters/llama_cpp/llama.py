@@ -252,6 +252,11 @@ class SpecLlama(Llama):
                 # (llama.py:999-1003); here with the exact logits row the token was drawn from
                 if stopping_criteria is not None and stopping_criteria(
                         np.asarray(history, dtype=np.intc), rows[min(i, len(rows) - 1)]):
+                    # the host asks the criteria once more on its own input_ids (llama.py:1587): leave it exactly
+                    # the ids the criteria just saw
+                    extra = len(target.tokens) - len(history)
+                    if extra > 0:
+                        target.trim(extra)
                     return
                 yield t
                 history.append(t)
