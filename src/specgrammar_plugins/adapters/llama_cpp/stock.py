@@ -45,6 +45,8 @@ MAX_ROWS = 64  # how far back GrammarLogitsProcessor looks for the row being sam
 def _compiled(constraint: Any, llama, engine: str | None) -> CompiledConstraint:
     if isinstance(constraint, CompiledConstraint):
         return constraint
+    if llama is None:
+        raise ValueError("pass the Llama (its vocabulary compiles the constraint) or a CompiledConstraint")
     c = compile_for(constraint, tokenizer_info(llama), engine)
     if c is None:
         raise ValueError("no constraint given")
@@ -90,8 +92,7 @@ class GrammarLogitsProcessor(_RequestBoundary):
     def __init__(self, constraint: Any, llama=None, *, prompt_len: int | None = None, engine: str | None = None):
         super().__init__(prompt_len)
         self.llama = llama
-        compiled = _compiled(constraint, llama, engine) if not isinstance(constraint, CompiledConstraint) else constraint
-        self.history = HistoryMatcher(compiled)
+        self.history = HistoryMatcher(_compiled(constraint, llama, engine))
         self.calls = 0
         self.invalid_histories = 0
 
