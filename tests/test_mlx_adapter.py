@@ -1,8 +1,6 @@
-"""The mlx-lm adapter on the bundled tiny models: runner, stream_generate twin, history-keyed processor.
-
-Greedy: our loop's output equals mlx-lm's plain constrained ``generate_step`` (with our history-keyed processor)
-token for token, for every workload, k = 1..8, with and without the draft model.
-"""
+"""The mlx-lm adapter on the bundled tiny models: runner, stream_generate twin, history-keyed processor (under
+mlx-lm's generate_step, speculative_generate_step and BatchGenerator).  Greedy equality per workload and k is in
+test_mlx_greedy.py."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from specgrammar_plugins import ConstraintSpec  # noqa: E402
-from specgrammar_plugins.workloads import WORKLOADS, examples  # noqa: E402
+from specgrammar_plugins.workloads import examples  # noqa: E402
 
 MAX_TOKENS = 40
 
@@ -66,35 +64,7 @@ def test_runner_refuses_a_cache_it_cannot_trim(tiny):
         MLXRunner(model, [ArraysCache(2) for _ in model.layers])
 
 
-# ------------------------------------------------------------------------------------------------ greedy
-def _cases():
-    out = []
-    for w in WORKLOADS:
-        ex = examples(w, "eval", 1)[0]
-        out.append((w, ex.prompt, ex.constraint))
-    return out
-
-
-@pytest.mark.parametrize("workload,user,spec", _cases(), ids=[c[0] for c in _cases()])
-def test_greedy_equals_plain_generate_step(tiny, workload, user, spec):
-    from specgrammar_plugins.adapters.mlx_lm.generate import generate_tokens
-
-    model, draft, tok = tiny
-    ids = prompt_ids(tok, user)
-    eos = set(tok.eos_token_ids)
-    ref = plain_generate_step(model, ids, processor=_processor(spec, tok, model), max_tokens=MAX_TOKENS, eos_ids=eos)
-    for use_draft in (True, False):
-        for k in range(1, 9):
-            out, st = generate_tokens(model, tok, ids, max_tokens=MAX_TOKENS, draft_model=draft if use_draft else None,
-                                      num_draft_tokens=k, constraint=spec, temperature=0.0)
-            assert out == ref, (workload, use_draft, k, tok.decode(out), tok.decode(ref))
-            assert st.target_passes <= len(ref)
-    if spec is not None and ref and ref[-1] in eos:
-        from specgrammar_plugins.workloads import is_valid
-
-        assert is_valid(workload, tok.decode(ref[:-1])), tok.decode(ref)
-
-
+# ------------------------------------------------------------------------------------------------ greedy (see test_mlx_greedy.py)
 def test_processor_under_mlx_speculative_loop_equals_plain(tiny):
     """mlx-lm's own speculative loop + our history-keyed processor: same greedy output as generate_step (the
     processor's history starts at the last prompt token there, and moves backwards on rejected drafts)."""

@@ -1,0 +1,258 @@
+"""``mlx_lm.server --plugin specgrammar`` over HTTP, with the ``openai`` client, on the bundled tiny models.
+
+The server runs as a real process on 127.0.0.1 from a patched copy of the installed mlx-lm (``specgrammar patch
+mlx-lm --target COPY``; the venv's mlx-lm is left alone), once with ``--draft-model`` (our speculative loop) and
+once without (mlx-lm's batching path with the history-keyed processor).  Every structured request must return
+output that validates; invalid constraints get HTTP 400 with the reason while the server keeps serving; 8
+concurrent requests all validate; a greedy request gives the same text before and after 10 other requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from test_mlx_common import tiny_model_dirs
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("mlx_lm")
+
+from specgrammar_plugins.workloads import STRUCTURED, chat_prompt, constraint, examples, is_valid  # noqa: E402
+from specgrammar_plugins.workloads import JSON_EXTRACTION_SCHEMA, SQL_GBNF, TOOL_CALL_SCHEMA  # noqa: E402
+
+MAX_TOKENS = 64
+
+
+def patched_mlx_copy(dest: Path) -> Path:
+    """A copy of the installed mlx_lm package under ``dest``, patched by ``specgrammar patch``."""
+    import importlib.util
+
+    from specgrammar_plugins.adapters.mlx_lm import patch
+
+    src = Path(list(importlib.util.find_spec("mlx_lm").submodule_search_locations)[0])
+    if (src / "server_plugins.py").exists():  # the venv's own mlx-lm is patched already: use it as it is
+        return src.parent
+    shutil.copytree(src, dest / "mlx_lm", ignore=shutil.ignore_patterns("__pycache__"))
+    assert patch.run(dest, out=lambda *_: None) == "applied"
+    assert patch.run(dest, out=lambda *_: None) == "applied"  # idempotent
+    return dest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, root: Path, args: list[str], log: Path):
+        self.port = _free_port()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+                   TOKENIZERS_PARALLELISM="false")
+        self.log = log
+        self._logf = open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--host", "127.0.0.1", "--port",
+                                      str(self.port), "--plugin", "specgrammar", *args],
+                                     stdout=self._logf, stderr=subprocess.STDOUT, env=env)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=120,
+                                    max_retries=0)
+        deadline = time.monotonic() + 180
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {log.read_text()[-3000:]}")
+            try:
+                self.chat("hi", max_tokens=1)  # answers once the default model is loaded
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"server did not start: {log.read_text()[-3000:]}")
+                time.sleep(0.5)
+
+    def chat(self, user: str, **kw):
+        kw.setdefault("max_tokens", MAX_TOKENS)
+        kw.setdefault("temperature", 0.0)
+        return self.client.chat.completions.create(model="default_model",
+                                                   messages=[{"role": "user", "content": user}], **kw)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._logf.close()
+
+
+@pytest.fixture(scope="module")
+def patched_root(tmp_path_factory):
+    tiny_model_dirs()
+    return patched_mlx_copy(tmp_path_factory.mktemp("mlx"))
+
+
+@pytest.fixture(scope="module", params=["draft", "batch"])
+def server(request, patched_root, tmp_path_factory):
+    t, d = tiny_model_dirs()
+    args = ["--model", str(t), "--max-tokens", str(MAX_TOKENS)]
+    if request.param == "draft":
+        args += ["--draft-model", str(d), "--num-draft-tokens", "4"]
+    srv = Server(patched_root, args, tmp_path_factory.mktemp("log") / f"server-{request.param}.log")
+    srv.mode = request.param
+    yield srv
+    srv.stop()
+
+
+# ------------------------------------------------------------------------------------------------ request spellings
+def _spellings(workload: str) -> list[dict]:
+    """Request fields asking for ``workload``'s constraint, in every spelling we accept."""
+    spec = constraint(workload)
+    if spec.kind == "json_schema":
+        schema = spec.schema
+        return [
+            {"response_format": {"type": "json_schema", "json_schema": {"name": workload, "schema": schema}}},
+            {"extra_body": {"json_schema": schema}},
+            {"extra_body": {"structured_outputs": {"json": schema}, "specgrammar": {"k": 3}}},
+        ]
+    if spec.kind == "regex":
+        return [
+            {"response_format": {"type": "regex", "regex": spec.value}},
+            {"extra_body": {"regex": spec.value}},
+            {"extra_body": {"structured_outputs": {"regex": spec.value}}},
+        ]
+    return [
+        {"response_format": {"type": "grammar", "grammar": spec.value, "syntax": "gbnf"}},
+        {"extra_body": {"grammar": spec.value, "specgrammar": {"drafters": ["forced", "model"]}}},
+        {"extra_body": {"structured_outputs": {"grammar": spec.value}}},
+    ]
+
+
+def _call(srv: Server, user: str, fields: dict, stream: bool = False, **kw) -> str:
+    fields = dict(fields)
+    extra = fields.pop("extra_body", None)
+    if stream:
+        chunks = srv.chat(user, stream=True, extra_body=extra, **fields, **kw)
+        return "".join((c.choices[0].delta.content or "") for c in chunks if c.choices)
+    r = srv.chat(user, extra_body=extra, **fields, **kw)
+    return r.choices[0].message.content
+
+
+@pytest.mark.parametrize("workload", STRUCTURED)
+def test_structured_requests_validate(server, workload):
+    exs = examples(workload, "eval", 3)
+    for i, fields in enumerate(_spellings(workload)):
+        ex = exs[i % len(exs)]
+        for stream in (False, True):
+            text = _call(server, ex.prompt, fields, stream=stream)
+            assert is_valid(workload, text), (server.mode, workload, fields, stream, text)
+
+
+def test_json_object_and_sampling(server):
+    for seed in range(3):
+        text = _call(server, examples("json_extraction", "eval", 1)[0].prompt,
+                     {"response_format": {"type": "json_object"}, "seed": seed}, temperature=1.0)
+        assert isinstance(json.loads(text, strict=False), dict), text
+    text = _call(server, examples("tool_call", "eval", 1)[0].prompt,
+                 {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": TOOL_CALL_SCHEMA}}},
+                 temperature=0.7, top_p=0.9)
+    assert is_valid("tool_call", text), text
+
+
+def test_unconstrained_request_still_works(server):
+    r = server.chat(examples("prose", "eval", 1)[0].prompt, max_tokens=16)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     r"invalid constraint|schema"),
+    ({"extra_body": {"regex": "[0-9"}}, r"invalid constraint"),
+    ({"extra_body": {"grammar": "root ::= missing_rule"}}, r"invalid constraint"),
+    ({"extra_body": {"regex": "[0-9]+", "json_schema": {"type": "object"}}}, r"only one constraint"),
+    ({"extra_body": {"regex": "[0-9]+", "specgrammar": {"k": -1}}}, r"specgrammar\.k"),
+    ({"extra_body": {"regex": "[0-9]+", "specgrammar": {"drafters": ["nope"]}}}, r"unknown drafter"),
+]
+
+
+@pytest.mark.parametrize("fields,reason", BAD, ids=["schema", "regex", "grammar", "two", "k", "drafter"])
+def test_invalid_constraint_is_a_400_and_the_server_keeps_serving(server, fields, reason):
+    with pytest.raises(openai.BadRequestError) as e:
+        _call(server, "Find the year: 1999", fields)
+    assert e.value.status_code == 400
+    assert re.search(reason, str(e.value)), str(e.value)
+    ex = examples("year", "eval", 1)[0]
+    assert is_valid("year", _call(server, ex.prompt, {"extra_body": {"regex": constraint("year").value}}))
+
+
+def test_eight_concurrent_requests_all_valid(server):
+    jobs = []
+    for i in range(8):
+        w = STRUCTURED[i % len(STRUCTURED)]
+        ex = examples(w, "eval", 2)[i // len(STRUCTURED)]
+        jobs.append((w, ex.prompt, _spellings(w)[0], i % 2 == 1))
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda j: _call(server, j[1], j[2], stream=j[3]), jobs))
+    for (w, _, _, _), text in zip(jobs, outs):
+        assert is_valid(w, text), (server.mode, w, text)
+
+
+def test_same_greedy_request_same_text_after_other_requests(server):
+    """Regression (mlx-lm 0.32.2, --draft-model): the stored prompt cache was one token short of its key when a
+    request ended on the target's own token, so a repeated greedy request changed its text."""
+    ex = examples("json_extraction", "eval", 1)[0]
+    fields = {"extra_body": {"json_schema": JSON_EXTRACTION_SCHEMA}}
+    first = _call(server, ex.prompt, fields)
+    plain_first = server.chat(ex.prompt, max_tokens=24).choices[0].message.content
+    for i in range(10):
+        w = STRUCTURED[i % len(STRUCTURED)]
+        other = examples(w, "eval", 4)[1 + i % 3]
+        _call(server, other.prompt, _spellings(w)[i % 3], stream=i % 2 == 0)
+    assert _call(server, ex.prompt, fields) == first
+    assert server.chat(ex.prompt, max_tokens=24).choices[0].message.content == plain_first
+    again = _call(server, ex.prompt, fields)
+    assert again == first and is_valid("json_extraction", again)
+
+
+def test_stock_patched_server_without_plugin_keeps_greedy_text(patched_root, tmp_path):
+    """The patch alone (no plugin loaded) fixes the stock speculative path's cache key as well."""
+    t, d = tiny_model_dirs()
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(patched_root), TOKENIZERS_PARALLELISM="false")
+    log = open(tmp_path / "stock.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--host", "127.0.0.1", "--port", str(port),
+                             "--model", str(t), "--draft-model", str(d), "--num-draft-tokens", "3"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
+
+    def ask(user):
+        return client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": user}],
+                                              max_tokens=24, temperature=0.0).choices[0].message.content
+
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                ask("hi")
+                break
+            except Exception:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stock.log").read_text()
+                time.sleep(0.5)
+        prompts = [e.prompt for w in ("year", "order_id", "email") for e in examples(w, "eval", 3)]
+        first = [ask(p) for p in prompts[:3]]
+        for p in prompts[3:]:
+            ask(p)
+        assert [ask(p) for p in prompts[:3]] == first
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
