@@ -128,7 +128,9 @@ class ConstraintSpec:
         if not isinstance(schema, (dict, bool)):
             raise ConstraintError(f"JSON schema must be an object or a boolean, got {type(schema).__name__}",
                                   kind="json_schema")
-        return cls("json_schema", _canonical_json(schema), **kw)
+        # compact but order-preserving: engines generate properties in the schema's declared order, so two
+        # schemas that differ only in key order are different constraints (and different cache keys)
+        return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False), **kw)
 
     @classmethod
     def grammar(cls, text: str, syntax: str = "gbnf", **kw) -> "ConstraintSpec":

@@ -1,0 +1,258 @@
+"""The llguidance engine: regex, choice, JSON Schema, any JSON, Lark, and GBNF / EBNF (through llguidance's own
+``gbnf_to_lark``, which takes llama.cpp's grammars verbatim).
+
+Adapter notes: an ``LLMatcher`` enters a permanent error state when it consumes a token the grammar rejects, so
+``accept`` asks ``validate_tokens`` first; every request's matcher is a ``deep_copy()`` of one template built at
+compile time (building an ``LLMatcher`` re-reads the grammar, ~1 ms); llguidance's masks are as wide as the
+tokenizer, the rest of the row (up to the model's output width) is cleared; ``accept_bytes`` spells the bytes
+with vocabulary tokens (llguidance matches bytes, so any spelling is the same to it).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ..constraint import CompiledConstraint, ConstraintSpec, Forced, mask_words
+from ..errors import ConstraintError
+from ..tokenizer import TokenizerInfo
+from ._common import (
+    GreedyBytes, PerTokenizerCache, StepBook, ascii_shorthands, engine_words, forced_from_masks, no_start_error,
+    popcount)
+
+NAME = "llguidance"
+
+
+class _Spelling:
+    """The text -> ids callback llguidance's ``TokenizerWrapper`` wants (it passes UTF-8 bytes)."""
+
+    def __init__(self, tok: TokenizerInfo):
+        self.eos_token_id = tok.eos_token_id
+        self.bos_token_id = None
+        self.tokens = list(tok.token_bytes)
+        # every token without bytes is special to llguidance (never produced by a grammar); stop tokens too
+        self.special_token_ids = sorted({i for i, b in enumerate(tok.token_bytes) if not b} | set(tok.special_ids))
+        self._encode = tok.encode
+        self._greedy = GreedyBytes(tok)
+
+    def __call__(self, text):
+        # never raise: llguidance calls this from inside mask computation (fast-forward tokens), and an exception
+        # there is a panic that leaves the matcher in its error state
+        data = text if isinstance(text, bytes) else str(text).encode("utf-8")
+        if self._encode is not None:
+            try:
+                return list(self._encode(data.decode("utf-8")))
+            except Exception:
+                pass
+        ids = self._greedy(data)
+        if ids is None:  # a byte no token spells (not a byte-level vocabulary): spell the longest prefix we can
+            for k in range(len(data) - 1, -1, -1):
+                ids = self._greedy(data[:k])
+                if ids is not None:
+                    break
+        return ids
+
+
+class _LLTok:
+    def __init__(self, tok: TokenizerInfo):
+        import llguidance as llg
+
+        spelling = _Spelling(tok)
+        self.lltok = llg.LLTokenizer(llg.TokenizerWrapper(spelling), n_vocab=tok.vocab_size,
+                                     eos_token=list(tok.stop_token_ids))
+        self.greedy = spelling._greedy
+        self.words = mask_words(self.lltok.vocab_size)  # llguidance's row (tokenizer length, not model width)
+
+
+_TOKENIZERS = PerTokenizerCache(_LLTok)
+
+
+def _json_overrides(spec: ConstraintSpec, options: dict) -> dict | None:
+    opts = {**dict(spec.options), **options}
+    if "any_whitespace" in opts and not opts["any_whitespace"]:
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    if opts.get("any_whitespace"):
+        return {"whitespace_flexible": True}
+    return None
+
+
+NO_FORCING = '%llguidance {"no_forcing": true}'
+
+
+def _lark(body: str, forcing: bool) -> str:
+    """Lark text with llguidance's forcing switched off (unless asked for, or the text sets its own options).
+
+    With forcing, where the grammar forces bytes llguidance allows only the canonical tokenization of them
+    ("maybe" after "m": only "aybe", not "a" or "ay"): a sound choice, but not the mask of the language, which is
+    what the other engines and the reference compute.  ``forcing=True`` (option ``llguidance_forcing``) restores it.
+    """
+    if forcing:
+        return body
+    if body.lstrip().startswith("%llguidance {}"):
+        return body.replace("%llguidance {}", NO_FORCING, 1)
+    if "%llguidance" in body:
+        return body
+    return f"{NO_FORCING}\n{body}"
+
+
+def grammar_text(spec: ConstraintSpec, options: dict) -> str:
+    """The llguidance grammar for ``spec`` (raises ``ConstraintError`` for what cannot be converted)."""
+    import llguidance as llg
+
+    forcing = bool({**dict(spec.options), **options}.get("llguidance_forcing", False))
+    if spec.kind in ("regex", "choice"):
+        body = f"start: /{llg.regex_to_lark(ascii_shorthands(spec.as_regex()))}/"
+    elif spec.kind in ("json_schema", "json"):
+        if spec.kind == "json":
+            schema = {"type": "object"} if spec.option("object_only") else {}
+        else:
+            schema = spec.schema
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        overrides = _json_overrides(spec, options)
+        if overrides:
+            schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **overrides}}
+        body = "start: %json " + json.dumps(schema)
+    elif spec.syntax == "lark":
+        body = spec.value
+    else:  # gbnf / ebnf: llguidance converts llama.cpp's dialect to Lark
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            body = any_to_lark(spec.value)
+        except Exception as e:
+            raise ConstraintError(f"cannot convert the grammar from GBNF to Lark: {engine_words(e)}", engine=NAME,
+                                  kind=spec.kind) from None
+    return llg.LLMatcher.grammar_from_lark(_lark(body, forcing))
+
+
+class _Compiled:
+    __slots__ = ("lt", "grammar", "template")
+
+    def __init__(self, lt: _LLTok, grammar: str, template):
+        self.lt, self.grammar, self.template = lt, grammar, template
+
+
+class LLGuidanceEngine:
+    name = NAME
+
+    def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict) -> CompiledConstraint:
+        import llguidance as llg
+
+        lt = _TOKENIZERS.get(tokenizer)
+        grammar = grammar_text(spec, options)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lt.lltok)
+        if is_error:
+            raise ConstraintError("; ".join(m.strip() for m in messages), engine=NAME, kind=spec.kind)
+        template = llg.LLMatcher(lt.lltok, grammar, log_level=0)
+        if template.is_error():
+            raise ConstraintError(_error_text(template.get_error()), engine=NAME, kind=spec.kind)
+        cc = CompiledConstraint(spec, tokenizer, NAME, _Compiled(lt, grammar, template), LLGuidanceMatcher.start)
+        probe = LLGuidanceMatcher.start(cc)
+        row = np.zeros(mask_words(tokenizer.vocab_size), dtype=np.int32)
+        probe.raw_fill(row)
+        if probe.m.is_error() or popcount(row) == 0:
+            why = _error_text(probe.m.get_error()) if probe.m.is_error() else ""
+            err = no_start_error(NAME, spec.kind)
+            raise ConstraintError(f"{err.reason} ({why})" if why else err.reason, engine=NAME, kind=spec.kind)
+        return cc
+
+
+def _error_text(err: str) -> str:
+    """llguidance's error without the parser-state dump it appends."""
+    return err.split("\n<state>", 1)[0].strip()
+
+
+class LLGuidanceMatcher:
+    """One walk through an llguidance grammar."""
+
+    __slots__ = ("compiled", "tok", "vocab_size", "m", "book", "_words")
+
+    def __init__(self, compiled: CompiledConstraint, m, book: StepBook):
+        self.compiled = compiled
+        self.tok = compiled.tokenizer
+        self.vocab_size = self.tok.vocab_size
+        self.m = m
+        self.book = book
+        self._words = compiled.compiled.lt.words
+
+    @classmethod
+    def start(cls, compiled: CompiledConstraint) -> "LLGuidanceMatcher":
+        return cls(compiled, compiled.compiled.template.deep_copy(), StepBook())
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        if self.book.terminated:
+            out[:] = 0
+            return
+        w = self._words
+        if not out.flags.c_contiguous or out.dtype != np.int32 or out.shape[-1] < w:
+            raise ValueError(f"mask row must be contiguous int32 of {mask_words(self.vocab_size)} words")
+        self.m.unsafe_compute_mask_ptr(out.ctypes.data, w * 4)
+        if out.shape[-1] > w:
+            out[w:] = 0
+        if self.m.is_error():
+            raise ConstraintError(_error_text(self.m.get_error()), engine=NAME, kind=self.compiled.spec.kind)
+
+    def accept(self, token: int) -> bool:
+        if self.book.terminated or not (0 <= token < len(self.tok.token_bytes)):
+            return False
+        if token in self.tok.stop_token_ids:
+            # Stop tokens are kept out of llguidance: a stopped matcher (no byte can follow) validates no token
+            # and consumes EOS without counting it as a step, so rollback would go wrong.  Nothing follows a
+            # stop token anyway: record it here, as zero engine steps.
+            if not self.m.is_accepting():
+                return False
+            self.book.push(0)
+            self.book.stop_at = len(self.book) - 1
+            return True
+        if self.m.validate_tokens([token]) != 1:
+            return False
+        if not self.m.consume_token(token):  # pragma: no cover - validated just above
+            raise RuntimeError(f"llguidance refused a validated token: {self.m.get_error()}")
+        self.book.push(1)
+        return True
+
+    def accept_bytes(self, data: bytes) -> bool:
+        if self.book.terminated:
+            return False
+        if not data:
+            return True
+        ids = self.compiled.compiled.lt.greedy(bytes(data))
+        if ids is None or self.m.validate_tokens(ids) != len(ids):
+            return False
+        if not self.m.consume_tokens(ids):  # pragma: no cover
+            raise RuntimeError(f"llguidance refused validated tokens: {self.m.get_error()}")
+        self.book.merge(len(ids))
+        return True
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        undo = self.book.pop(n)
+        if undo and not self.m.rollback(undo):
+            raise RuntimeError(f"llguidance could not roll back {undo} tokens: {self.m.get_error()}")
+
+    def fork(self) -> "LLGuidanceMatcher":
+        return LLGuidanceMatcher(self.compiled, self.m.deep_copy(), self.book.copy())
+
+    def is_terminated(self) -> bool:
+        return self.book.terminated
+
+    def forced(self) -> Forced:
+        if self.book.terminated or self.m.is_stopped():
+            return Forced()
+        text = bytes(self.m.compute_ff_bytes())
+        if not text:
+            return Forced()
+        tokens = tuple(self.m.compute_ff_tokens())  # empty unless llguidance_forcing is on
+        if not tokens:
+            tokens = forced_from_masks(self, self.tok).tokens
+        return Forced(tokens, text)
+
+    # the raw engine call, for overhead measurements
+    def raw_fill(self, out: np.ndarray) -> None:
+        self.m.unsafe_compute_mask_ptr(out.ctypes.data, self._words * 4)
+
+
+__all__ = ["LLGuidanceEngine", "LLGuidanceMatcher", "grammar_text"]

@@ -1,0 +1,239 @@
+"""The xgrammar engine: regex, choice, JSON Schema, any JSON, GBNF / W3C-style EBNF (xgrammar's own dialect) and Lark.
+
+xgrammar's ``GrammarMatcher`` already speaks our protocol almost word for word (packed int32 rows, ``fork()``,
+``rollback``, ``accept_string``, stop tokens allowed where the grammar may end); the adapter adds step bookkeeping
+so ``accept_bytes`` merges into the current position, masks of zeros after termination, and two fixes:
+llama.cpp GBNF's empty alternatives (``a ::= "x" |``) are rewritten to ``""`` (xgrammar rejects them), and a
+constraint that allows no first token is refused at compile time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+
+from ..constraint import CompiledConstraint, ConstraintSpec, Forced, mask_words
+from ..errors import ConstraintError
+from ..tokenizer import TokenizerInfo
+from ._common import (
+    PerTokenizerCache, StepBook, ascii_shorthands, clear_past, engine_words, forced_from_masks, no_start_error,
+    popcount)
+
+NAME = "xgrammar"
+
+
+def _build_compiler(tok: TokenizerInfo):
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo(list(tok.token_bytes), xgr.VocabType.RAW, vocab_size=tok.vocab_size,
+                             stop_token_ids=list(tok.stop_token_ids))
+    threads = max(1, min(8, os.cpu_count() or 1))
+    return xgr.GrammarCompiler(info, max_threads=threads)
+
+
+_COMPILERS = PerTokenizerCache(_build_compiler)
+
+
+# ---------------------------------------------------------------------------------------------- GBNF fix-up
+_NAME = re.compile(r"[A-Za-z0-9_-]+")
+_RULE_START = re.compile(r"[A-Za-z0-9_-]+[ \t]*(?:\r?\n[ \t]*)*::=")
+
+
+def _skip_quoted(text: str, i: int, close: str) -> int:
+    """Index just past the literal starting at ``text[i]`` (a ``"`` string or a ``[`` class), escapes honoured."""
+    j = i + 1
+    while j < len(text):
+        c = text[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == close:
+            return j + 1
+        j += 1
+    return j
+
+
+def fill_empty_alternatives(gbnf: str) -> str:
+    """Rewrite empty alternatives / groups of llama.cpp GBNF (``x ::= a |``, ``( | b)``, ``()``) to ``""``.
+
+    llama.cpp reads an empty alternative as the empty string; xgrammar's parser wants an element there.  The scan
+    skips string literals, character classes and comments, so ``"|"`` or ``[|]`` are left alone.
+    """
+    out: list[str] = []
+    pending: int | None = None  # index in ``out`` after which an element is still owed
+    i, n = 0, len(gbnf)
+    while i < n:
+        c = gbnf[i]
+        if c == '"' or c == "[":
+            j = _skip_quoted(gbnf, i, '"' if c == '"' else "]")
+            out.append(gbnf[i:j])
+            pending = None
+            i = j
+        elif c == "#":
+            j = gbnf.find("\n", i)
+            j = n if j < 0 else j
+            out.append(gbnf[i:j])
+            i = j
+        elif gbnf.startswith("::=", i):
+            out.append("::=")
+            pending = len(out) - 1
+            i += 3
+        elif c in "|(":
+            if c == "|" and pending is not None:
+                out.insert(pending + 1, ' ""')
+            out.append(c)
+            pending = len(out) - 1
+            i += 1
+        elif c == ")":
+            if pending is not None:
+                out.insert(pending + 1, ' ""')
+            out.append(c)
+            pending = None
+            i += 1
+        elif _NAME.match(gbnf, i):
+            m = _NAME.match(gbnf, i)
+            if _RULE_START.match(gbnf, i) and pending is not None:
+                out.insert(pending + 1, ' ""')
+                pending = None
+            elif not _RULE_START.match(gbnf, i):
+                pending = None
+            out.append(m.group())
+            i = m.end()
+        elif c == ".":
+            out.append(c)
+            pending = None
+            i += 1
+        else:
+            out.append(c)
+            i += 1
+    if pending is not None:
+        out.insert(pending + 1, ' ""')
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+def _json_options(spec: ConstraintSpec, options: dict) -> dict:
+    opts = {**dict(spec.options), **options}
+    kw: dict = {}
+    if "any_whitespace" in opts:
+        kw["any_whitespace"] = bool(opts["any_whitespace"])
+        if not kw["any_whitespace"]:
+            kw["separators"] = (",", ":")
+    if "strict" in opts:
+        kw["strict_mode"] = bool(opts["strict"])
+    return kw
+
+
+class XGrammarEngine:
+    name = NAME
+
+    def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict) -> CompiledConstraint:
+        try:
+            import xgrammar  # noqa: F401
+        except ImportError as e:  # pragma: no cover - the dependency is required
+            raise ConstraintError(f"the xgrammar engine needs the xgrammar package ({e})", engine=NAME) from None
+        comp = _COMPILERS.get(tokenizer)
+        try:
+            if spec.kind in ("regex", "choice"):
+                cg = comp.compile_regex(ascii_shorthands(spec.as_regex(), dot=True))
+            elif spec.kind == "json_schema":
+                cg = comp.compile_json_schema(spec.value, **_json_options(spec, options))
+            elif spec.kind == "json":
+                schema = {"type": "object"} if spec.option("object_only") else {}
+                cg = comp.compile_json_schema(json.dumps(schema), **_json_options(spec, options))
+            elif spec.syntax == "lark":
+                cg = comp.compile_lark(spec.value)
+            elif spec.syntax == "gbnf":
+                cg = comp.compile_grammar(fill_empty_alternatives(spec.value), root_rule_name="root")
+            else:  # ebnf: xgrammar's own EBNF dialect
+                cg = comp.compile_grammar(spec.value, root_rule_name=options.get("root_rule", "root"))
+        except ConstraintError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError / InvalidJSONError with its reason
+            raise ConstraintError(engine_words(e), engine=NAME, kind=spec.kind) from None
+        cc = CompiledConstraint(spec, tokenizer, NAME, cg, XGrammarMatcher.start,
+                                memory_bytes=int(getattr(cg, "memory_size_bytes", 0) or 0))
+        row = np.zeros(mask_words(tokenizer.vocab_size), dtype=np.int32)
+        XGrammarMatcher.start(cc).fill_mask(row)
+        if popcount(row) == 0:
+            raise no_start_error(NAME, spec.kind)
+        return cc
+
+
+class XGrammarMatcher:
+    """One walk through an xgrammar ``CompiledGrammar``."""
+
+    __slots__ = ("compiled", "tok", "vocab_size", "gm", "book")
+
+    def __init__(self, compiled: CompiledConstraint, gm, book: StepBook):
+        self.compiled = compiled
+        self.tok = compiled.tokenizer
+        self.vocab_size = self.tok.vocab_size
+        self.gm = gm
+        self.book = book
+
+    @classmethod
+    def start(cls, compiled: CompiledConstraint) -> "XGrammarMatcher":
+        import xgrammar as xgr
+
+        return cls(compiled, xgr.GrammarMatcher(compiled.compiled), StepBook())
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        if self.book.terminated:
+            out[:] = 0
+            return
+        self.gm.fill_next_token_bitmask(out)
+        if self.vocab_size & 31:  # xgrammar sets the bits past vocab_size in the last word
+            clear_past(out, self.vocab_size)
+
+    def accept(self, token: int) -> bool:
+        if self.book.terminated or not (0 <= token < len(self.tok.token_bytes)):
+            return False
+        if not self.gm.accept_token(token):
+            return False
+        self.book.push(1)
+        if token in self.tok.stop_token_ids:
+            self.book.stop_at = len(self.book) - 1
+        return True
+
+    def accept_bytes(self, data: bytes) -> bool:
+        if self.book.terminated:
+            return False
+        if not data:
+            return True
+        if not self.gm.accept_string(bytes(data)):
+            return False
+        self.book.merge(1)
+        return True
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        undo = self.book.pop(n)
+        if undo:
+            self.gm.rollback(undo)
+
+    def fork(self) -> "XGrammarMatcher":
+        return XGrammarMatcher(self.compiled, self.gm.fork(), self.book.copy())
+
+    def is_terminated(self) -> bool:
+        return self.book.terminated
+
+    def forced(self) -> Forced:
+        if self.book.terminated:
+            return Forced()
+        chain = forced_from_masks(self, self.tok)
+        text = self.gm.find_jump_forward_string().encode("utf-8")
+        if len(chain.text) > len(text):
+            text = chain.text
+        return Forced(chain.tokens, text)
+
+    # the raw engine call, for overhead measurements
+    def raw_fill(self, out: np.ndarray) -> None:
+        self.gm.fill_next_token_bitmask(out)
+
+
+__all__ = ["XGrammarEngine", "XGrammarMatcher", "fill_empty_alternatives"]
