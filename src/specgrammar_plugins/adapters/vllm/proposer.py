@@ -10,10 +10,18 @@ each request with structured outputs the proposer keeps one matcher, compiled by
 from the request's own ``StructuredOutputsParams`` with the engine and options vLLM's structured-output backend
 uses (``structured.py``), synced to the committed tokens by history (``HistoryMatcher``: preemption and
 recomputation only move it back).  It drafts on a fork of that matcher through the core's drafter chain
-(``build_chain``: forced tokens and jump-forward strings, recipe packs when they are configured), so every draft
-is grammar-valid and vLLM's ``validate_tokens`` never truncates one.  Drafts are one-hot: vLLM's rejection sampler
-verifies them exactly (accept iff the target samples the same token; greedy: the argmax).  Requests without
-structured outputs get no drafts.
+(``build_chain``: forced tokens and jump-forward strings, recipe packs when they are configured, then a draft model
+when ``draft_model`` is given), so every draft is grammar-valid and vLLM's ``validate_tokens`` never truncates one.
+
+Verification is vLLM's rejection sampler.  Forced and recipe drafts are one-hot (accept iff the target samples the
+same token; greedy: the argmax).  Draft-model tokens are sampled from the proposal law r (the core's ``log_law``
+on the draft's logits with the request's mask and sampling options); the proposer hands r to the sampler
+(``runner._draft_probs``, the rows vLLM's own draft-model path fills through ``take_last_draft_probs``), which then
+accepts with min(1, q/r) and samples rejections from norm(max(0, q - r)): exact at any temperature.  Requests
+without structured outputs get no drafts.
+
+Options (``--additional-config '{"specgrammar": {...}}'``): ``drafters`` (default forced, recipe[, model]),
+``draft_model`` (a transformers folder sharing the target's tokenizer), ``recipe``, ``engine``, ``engine_options``.
 
 Request state follows the runner's own: it is dropped as soon as a request leaves ``runner.requests`` (finished
 or aborted), checked at every ``propose`` call.
@@ -41,8 +49,22 @@ log = logging.getLogger("vllm.specgrammar")
 
 _INSTANCES: "weakref.WeakSet[GrammarProposer]" = weakref.WeakSet()
 DEFAULT_DRAFTERS = ("forced", "recipe")
+DEFAULT_DRAFTERS_WITH_MODEL = ("forced", "recipe", "model")
 COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
-            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history")
+            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "law_rounds")
+
+
+def core_params(sp):
+    """The core's ``SamplingParams`` for a vLLM request (vLLM: temperature, then top-k / top-p / min-p)."""
+    from ...distributions import SamplingParams
+
+    if sp is None:
+        return SamplingParams(temperature=0.0)
+    t = float(getattr(sp, "temperature", 1.0) or 0.0)
+    top_k = int(getattr(sp, "top_k", 0) or 0)
+    top_p = float(getattr(sp, "top_p", 1.0) or 1.0)
+    min_p = float(getattr(sp, "min_p", 0.0) or 0.0)
+    return SamplingParams(temperature=t if t >= 1e-5 else 0.0, top_k=max(top_k, 0), top_p=top_p, min_p=min_p)
 
 
 def instances() -> list["GrammarProposer"]:
@@ -51,7 +73,7 @@ def instances() -> list["GrammarProposer"]:
 
 
 class _RequestState:
-    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending")
+    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "laws", "greedy")
 
     def __init__(self, history: HistoryMatcher | None, drafter, prompt_len: int, stop_ids: tuple[int, ...]):
         self.history = history  # None: no grammar (no drafts)
@@ -59,6 +81,8 @@ class _RequestState:
         self.prompt_len = prompt_len
         self.stop_ids = stop_ids
         self.pending = 0  # drafts proposed at the last step, outcome not yet seen
+        self.laws: list = []  # proposal laws of the last drafts (None = one-hot)
+        self.greedy = True  # greedy requests are verified by argmax: vLLM needs no laws for them
 
 
 class GrammarProposer:
@@ -73,7 +97,12 @@ class GrammarProposer:
         self.k = int(spec_cfg.num_speculative_tokens)
         extra = getattr(vllm_config, "additional_config", None) or {}
         self.options: dict[str, Any] = dict(extra.get("specgrammar", {}) or {})
-        self.drafter_names = tuple(self.options.get("drafters", DEFAULT_DRAFTERS))
+        self.draft_model_path = self.options.get("draft_model")
+        self.drafter_names = tuple(self.options.get(
+            "drafters", DEFAULT_DRAFTERS_WITH_MODEL if self.draft_model_path else DEFAULT_DRAFTERS))
+        self.draft_model = None
+        self.seed = getattr(vllm_config.model_config, "seed", None)
+        self._rng = np.random.default_rng(self.seed)
         engine, eng_opts = engine_options(vllm_config)
         self.engine = self.options.get("engine", engine)
         self.engine_options = {**eng_opts, **dict(self.options.get("engine_options", {}) or {})}
@@ -91,7 +120,11 @@ class GrammarProposer:
 
     # ------------------------------------------------------------------ vLLM's proposer interface
     def load_model(self, *args, **kwargs) -> None:
-        """No model of its own (grammar drafts); the tokenizer is read lazily on the first request."""
+        """Loads the draft model when one is configured (the tokenizer is read lazily on the first request)."""
+        if self.draft_model_path and self.draft_model is None:
+            from .draft_runner import load_draft_model
+
+            self.draft_model = load_draft_model(str(self.draft_model_path))
 
     def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings=None, **kwargs) -> list[list[int]]:
@@ -100,6 +133,7 @@ class GrammarProposer:
         requests = runner.requests
         self._prune(requests)
         out: list[list[int]] = []
+        laws: dict[int, list] = {}
         for i, sampled in enumerate(sampled_token_ids):
             req_id = req_ids[i] if i < len(req_ids) else None
             if req_id is None or not sampled:  # a prefill chunk, or nothing sampled: no drafts
@@ -115,6 +149,9 @@ class GrammarProposer:
                 out.append([])
                 continue
             out.append(self._draft(st, token_ids_cpu[i], n))
+            if any(law is not None for law in st.laws):
+                laws[i] = st.laws
+        self._hand_over_laws(runner, out, laws)
         return out
 
     # ------------------------------------------------------------------ per request
@@ -134,18 +171,35 @@ class GrammarProposer:
             self.counters["compile_errors"] += 1
             log.warning("specgrammar: no grammar drafts for a request: %s", e)
             return _RequestState(None, None, prompt_len, stop_ids)
-        ctx = DraftContext(tokenizer=tok, target_vocab_size=self.vocab_size, recipe=self.options.get("recipe"),
+        runner = None
+        if self.draft_model is None and self.draft_model_path:
+            self.load_model()
+        if self.draft_model is not None:
+            from .draft_runner import TorchRunner
+
+            runner = TorchRunner(self.draft_model, self.vocab_size)
+        ctx = DraftContext(tokenizer=tok, params=core_params(sp), rng=self._rng, draft_runner=runner,
+                           target_vocab_size=self.vocab_size, recipe=self.options.get("recipe"),
                            options=self.options)
         drafter = build_chain(self.drafter_names, ctx)
         if drafter is None:
             return _RequestState(None, None, prompt_len, stop_ids)
-        return _RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
+        st = _RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
+        st.greedy = ctx.params.greedy
+        return st
 
     def _draft(self, st: _RequestState, row: np.ndarray, n: int) -> list[int]:
+        st.laws = []
         generated = row[st.prompt_len:n].tolist()
         if not st.history.sync(generated):
-            # a committed token our matcher rejects: vLLM's grammar would have ended the request; never draft
-            self.counters["invalid_history"] += 1
+            # The history holds a token our matcher rejects.  After the grammar's stop token this is vLLM's bonus
+            # token past the end of a finishing request (the scheduler cuts it at the stop token): benign.
+            # Anything else means our grammar and vLLM's disagree: never draft for this request again.
+            if not st.history.matcher.is_terminated():
+                self.counters["invalid_history"] += 1
+                log.warning("specgrammar: committed tokens outside the grammar (fed ...%s, history ...%s); "
+                            "no more drafts for this request", st.history.fed[-8:], generated[-8:])
+                st.history = None
             return []
         m = st.history.matcher
         if m.is_terminated():
@@ -158,6 +212,8 @@ class GrammarProposer:
             if st.drafter.extend(block, budget - len(block.tokens)) <= 0:
                 break
         drafts = block.tokens
+        if not st.greedy:
+            st.laws = block.laws
         if drafts:
             st.pending = len(drafts)
             self.counters["rounds"] += 1
@@ -165,6 +221,27 @@ class GrammarProposer:
             for s in block.sources:
                 self.sources[s] = self.sources.get(s, 0) + 1
         return drafts
+
+    def _hand_over_laws(self, runner, drafts: list[list[int]], laws: dict[int, list]) -> None:
+        """Give vLLM's rejection sampler the proposal law of every draft of this step, [num_reqs, k, V] (one-hot
+        rows for one-hot drafts), when any draft is not one-hot; otherwise leave vLLM's one-hot path alone."""
+        if not laws:
+            return
+        import torch
+
+        probs = torch.zeros((len(drafts), self.k, self.vocab_size), dtype=torch.float32)
+        for i, toks in enumerate(drafts):
+            rows = laws.get(i)
+            for j, t in enumerate(toks):
+                law = rows[j] if rows is not None else None
+                if law is None:
+                    probs[i, j, t] = 1.0
+                else:
+                    p = np.exp(np.asarray(law, dtype=np.float64) - np.max(law))
+                    probs[i, j, : p.shape[-1]] = torch.from_numpy((p / p.sum()).astype(np.float32))
+        runner._draft_probs = probs
+        runner._draft_prob_req_ids = list(runner.input_batch.req_ids[: len(drafts)])
+        self.counters["law_rounds"] += 1
 
     def _observe(self, st: _RequestState, num_sampled: int) -> None:
         """The outcome of the last round: ``num_sampled - 1`` drafts were accepted (plus one target token)."""

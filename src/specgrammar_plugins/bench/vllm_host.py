@@ -1,0 +1,151 @@
+"""Benchmark: GrammarProposer against vLLM's own ``ngram`` and ``draft_model`` methods (one run, not a test).
+
+Every configuration decodes the same prompts under the same structured outputs (vLLM's xgrammar backend,
+``StructuredOutputsParams`` from the workload's constraint) on the tiny target, in-process, fp32, eager:
+
+    plain        no speculation (the baseline, and the reference every greedy output is compared with)
+    grammar      --speculative-config method=custom_class, GrammarProposer (forced tokens + jump-forward strings)
+    ngram        method=ngram (prompt lookup, n in [1, 4])
+    draft_model  method=draft_model with the tiny draft (grammar-blind drafts; vLLM truncates invalid ones)
+
+Reported per workload and configuration, from vLLM's own counters (``llm.get_metrics()``): draft rounds, draft
+tokens, accepted tokens, accepted tokens per draft round, acceptance rate, target passes per generated token
+(each pass commits its accepted drafts + one target token, so passes = generated - accepted) and whether every
+output equals ``plain``'s token for token.  Wall-clock on CPU is engine overhead and is left out.
+
+    python -m specgrammar_plugins.bench.vllm_host [--n 10] [--k 4] [--max-tokens 128] [--temperature 0]
+                                                  [--workloads ...] [--methods ...] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Sequence
+
+METHODS = ("plain", "grammar", "ngram", "draft_model")
+
+
+def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
+               workloads: Sequence[str]) -> list[dict]:
+    """One configuration in this process: one engine, every workload."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from .. import workloads as W
+    from ..adapters.vllm.offline import make_llm, proposer_of, sampling_params, spec_metrics
+    from ..models import tiny_path
+
+    llm = make_llm(tiny_path("target"), method=None if method == "plain" else method, k=k,
+                   draft_model=str(tiny_path("draft")))
+    rows: list[dict] = []
+    for w in workloads:
+        exs = W.examples(w, "eval", n)
+        prompts = [W.chat_prompt(e.prompt) for e in exs]
+        params = [sampling_params(e.constraint, temperature=temperature, max_tokens=max_tokens) for e in exs]
+        before = spec_metrics(llm)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        after = spec_metrics(llm)
+        d = {key: after[key] - before[key] for key in after}
+        toks = [list(o.outputs[0].token_ids) for o in outs]
+        valid = sum(W.is_valid(w, o.outputs[0].text) for o in outs) if W.constraint(w) is not None else None
+        gen = sum(len(t) for t in toks)
+        rows.append({
+            "workload": w, "method": method, "requests": len(outs), "tokens": gen,
+            "rounds": int(d["drafts"]), "draft_tokens": int(d["draft_tokens"]),
+            "accepted": int(d["accepted_tokens"]),
+            "accepted_per_round": d["accepted_tokens"] / d["drafts"] if d["drafts"] else 0.0,
+            "acceptance": d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0,
+            "passes_per_token": (gen - d["accepted_tokens"]) / gen if gen else 0.0,
+            "valid": valid, "token_ids": toks,
+        })
+    prop = proposer_of(llm)
+    if prop is not None:
+        rows.append({"workload": "*", "method": method, "proposer": prop.stats()})
+    return rows
+
+
+def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence[str],
+        methods: Sequence[str]) -> list[dict]:
+    """Every configuration, each in its own process (vllm-cpu 0.32.0 cannot start an engine after an ngram
+    engine in the same process: ``triton_utils/dispatcher.py:139`` trips over numba's ``_lib_fn_wrapper``)."""
+    rows: list[dict] = []
+    for method in methods:
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            cmd = [sys.executable, "-m", "specgrammar_plugins.bench.vllm_host", "--one", method, "--n", str(n), "--k", str(k),
+                   "--max-tokens", str(max_tokens), "--temperature", str(temperature), "--out", tmp.name,
+                   "--workloads", *workloads]
+            subprocess.run(cmd, check=True)
+            with open(tmp.name) as fh:
+                rows += json.load(fh)
+    reference = {r["workload"]: r["token_ids"] for r in rows if r["method"] == "plain"}
+    for r in rows:
+        if "token_ids" in r:
+            ref = reference.get(r["workload"])
+            r["same_as_plain"] = (r["token_ids"] == ref) if ref is not None and temperature == 0 else None
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| workload | method | tokens | rounds | draft tok | accepted | acc/round | acc rate | passes/token "
+            "| valid | = plain |")
+    out = [head, "|" + "---|" * 11]
+    for r in rows:
+        if "proposer" in r:
+            continue
+        same = "" if r["same_as_plain"] is None else ("yes" if r["same_as_plain"] else "NO")
+        valid = "" if r["valid"] is None else f"{r['valid']}/{r['requests']}"
+        out.append(f"| {r['workload']} | {r['method']} | {r['tokens']} | {r['rounds']} | {r['draft_tokens']} | "
+                   f"{r['accepted']} | {r['accepted_per_round']:.2f} | {r['acceptance']:.1%} | "
+                   f"{r['passes_per_token']:.3f} | {valid} | {same} |")
+    # totals per method
+    for m in dict.fromkeys(r["method"] for r in rows):
+        rs = [r for r in rows if r["method"] == m and "proposer" not in r]
+        tok = sum(r["tokens"] for r in rs)
+        rounds = sum(r["rounds"] for r in rs)
+        dt = sum(r["draft_tokens"] for r in rs)
+        acc = sum(r["accepted"] for r in rs)
+        out.append(f"| **all** | {m} | {tok} | {rounds} | {dt} | {acc} | {acc / rounds if rounds else 0:.2f} | "
+                   f"{acc / dt if dt else 0:.1%} | {(tok - acc) / tok if tok else 0:.3f} | | |")
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ..workloads import STRUCTURED
+
+    ap = argparse.ArgumentParser(prog="python -m specgrammar_plugins.bench.vllm_host", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=10, help="prompts per workload")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--workloads", nargs="*", default=list(STRUCTURED))
+    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # internal: one configuration, in-process
+    args = ap.parse_args(argv)
+    if args.one:
+        rows = run_method(args.one, args.n, args.k, args.max_tokens, args.temperature, args.workloads)
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh)
+        return 0
+    methods = list(args.methods)
+    if "plain" in methods:  # the reference first
+        methods.remove("plain")
+        methods.insert(0, "plain")
+    rows = run(args.n, args.k, args.max_tokens, args.temperature, args.workloads, methods)
+    print(table(rows))
+    for r in rows:
+        if "proposer" in r:
+            print(f"{r['method']} proposer: {json.dumps(r['proposer'])}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump([{k: v for k, v in r.items() if k != "token_ids"} for r in rows], fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
