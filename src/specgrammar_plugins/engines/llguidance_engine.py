@@ -30,9 +30,11 @@ class _Spelling:
     def __init__(self, tok: TokenizerInfo):
         self.eos_token_id = tok.eos_token_id
         self.bos_token_id = None
-        self.tokens = list(tok.token_bytes)
+        # padded to the model's width with byte-less (special) tokens: llguidance ignores n_vocab here, and a mask
+        # as wide as the model saves clearing the tail of every row
+        self.tokens = list(tok.token_bytes) + [b""] * (tok.vocab_size - len(tok.token_bytes))
         # every token without bytes is special to llguidance (never produced by a grammar); stop tokens too
-        self.special_token_ids = sorted({i for i, b in enumerate(tok.token_bytes) if not b} | set(tok.special_ids))
+        self.special_token_ids = sorted({i for i, b in enumerate(self.tokens) if not b} | set(tok.special_ids))
         self._encode = tok.encode
         self._greedy = GreedyBytes(tok)
 
@@ -182,15 +184,15 @@ class LLGuidanceMatcher:
         return cls(compiled, compiled.compiled.template.deep_copy(), StepBook())
 
     def fill_mask(self, out: np.ndarray) -> None:
-        if self.book.terminated:
+        if self.book.stop_at is not None:
             out[:] = 0
             return
-        w = self._words
-        if not out.flags.c_contiguous or out.dtype != np.int32 or out.shape[-1] < w:
-            raise ValueError(f"mask row must be contiguous int32 of {mask_words(self.vocab_size)} words")
-        self.m.unsafe_compute_mask_ptr(out.ctypes.data, w * 4)
-        if out.shape[-1] > w:
-            out[w:] = 0
+        nbytes = self._words * 4
+        if out.nbytes < nbytes:  # the engine writes through a raw pointer: never past the buffer
+            raise ValueError(f"mask row must be int32 of {mask_words(self.vocab_size)} words")
+        self.m.unsafe_compute_mask_ptr(out.ctypes.data, nbytes)  # a C-contiguous int32 row
+        if out.nbytes > nbytes:
+            out[self._words:] = 0
         if self.m.is_error():
             raise ConstraintError(_error_text(self.m.get_error()), engine=NAME, kind=self.compiled.spec.kind)
 
