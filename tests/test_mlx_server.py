@@ -152,15 +152,15 @@ def test_structured_requests_validate(server, workload):
     exs = examples(workload, "eval", 3)
     for i, fields in enumerate(_spellings(workload)):
         ex = exs[i % len(exs)]
-        for stream in (False, True):
-            text = _call(server, ex.prompt, fields, stream=stream)
-            assert is_valid(workload, text), (server.mode, workload, fields, stream, text)
+        stream = (i + STRUCTURED.index(workload)) % 2 == 1  # streaming and not, across spellings and workloads
+        text = _call(server, ex.prompt, fields, stream=stream)
+        assert is_valid(workload, text), (server.mode, workload, fields, stream, text)
 
 
 def test_json_object_and_sampling(server):
     for seed in range(3):
         text = _call(server, examples("json_extraction", "eval", 1)[0].prompt,
-                     {"response_format": {"type": "json_object"}, "seed": seed}, temperature=1.0)
+                     {"response_format": {"type": "json_object"}, "seed": seed}, temperature=0.7)
         assert isinstance(json.loads(text, strict=False), dict), text
     text = _call(server, examples("tool_call", "eval", 1)[0].prompt,
                  {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": TOOL_CALL_SCHEMA}}},
@@ -189,7 +189,8 @@ def test_invalid_constraint_is_a_400_and_the_server_keeps_serving(server, fields
     with pytest.raises(openai.BadRequestError) as e:
         _call(server, "Find the year: 1999", fields)
     assert e.value.status_code == 400
-    assert re.search(reason, str(e.value)), str(e.value)
+    body = e.value.response.text
+    assert re.search(reason, body), body
     ex = examples("year", "eval", 1)[0]
     assert is_valid("year", _call(server, ex.prompt, {"extra_body": {"regex": constraint("year").value}}))
 
