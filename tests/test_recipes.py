@@ -373,3 +373,32 @@ def test_online_suffix_drafts_are_lossless_and_learn(toy_tok):
         observe(d, [*prompt, *loop.emitted], len(prompt))
         accepted += loop.stats.accepted_by_source.get("suffix", 0)
     assert idx.observed == 8 and accepted > 0
+
+
+def test_copy_recipes_draft_values_from_the_prompt(toy_tok):
+    """Where the model copies a value from the request (here: the digits after the prompt's "-"), the pack learns
+    a copy recipe instead of a token run, and the drafter proposes the prompt's tokens."""
+    tok = toy_tok
+    from specgrammar_plugins.recipes import COPY
+
+    samples = []
+    for v in ("4821", "7305", "1969", "5550", "8214", "6093"):
+        samples.append(Sample(tuple(tok.encode(f"id-{v}.")), tuple(tok.encode(f"x{v}")) + (tok.eos_token_id,)))
+    pack = build(samples, tok, min_count=2)
+    assert pack.stats()["copy"] >= 1
+    ctx = tok.encode("id-3141.") + tok.encode("x3")
+    run = pack.lookup(ctx)
+    assert run is not None and run[0] == COPY
+    c = compile_constraint(ConstraintSpec.regex(r"x[0-9]{4}"), tok, engine="dfa")
+    from specgrammar_plugins.drafters import DraftBlock
+
+    m = c.matcher()
+    for t in tok.encode("x3"):
+        assert m.accept(t)
+    block = DraftBlock(ctx, m, tok.vocab_size, 8, tok.stop_token_ids)
+    assert RecipeDrafter(pack).extend(block, 8) >= 3
+    assert tok.decode(block.tokens).startswith(b"141")
+    # copy runs survive the file format and merging
+    back = RecipePack.from_dict(json.loads(pack.to_json_bytes()), tokenizer=tok)
+    assert back.lookup(ctx) == run
+    assert merge(pack, back).lookup(ctx)[0] == COPY

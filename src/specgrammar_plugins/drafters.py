@@ -295,6 +295,21 @@ class RecipeDrafter:
         self.misslog = misslog
         self.lookups = 0
         self.hits = 0
+        self._prompt: tuple[int, ...] = ()
+        self._positions: dict | None = None
+
+    def _copy(self, block: DraftBlock, n: int) -> tuple[int, ...]:
+        """A copy recipe: up to ``n`` tokens from the request's prompt (its first context), after the spot that
+        matches the end of the sequence."""
+        from .recipes import copy_source, prompt_positions
+
+        ctx = block.context
+        if self._positions is None or len(ctx) < len(self._prompt) or ctx[0] != self._prompt[0]:
+            self._prompt = tuple(ctx)
+            self._positions = prompt_positions(self._prompt)
+        seq = [*ctx[len(ctx) - 8:], *block.tokens]
+        src = copy_source(self._prompt, self._positions, seq)
+        return () if src is None else self._prompt[src:src + n]
 
     def extend(self, block: DraftBlock, budget: int) -> int:
         if budget <= 0 or (block.matcher is None and not self.unconstrained):
@@ -304,6 +319,8 @@ class RecipeDrafter:
         run = self.pack.lookup([*ctx[len(ctx) - 64:], *block.tokens] if len(ctx) > 64 else block.sequence())
         if not run:
             return 0
+        if run[0] < 0:  # (COPY, n)
+            run = self._copy(block, run[1])
         n = 0
         for t in run[:budget]:
             if not block.push(t, None, self.name):

@@ -57,7 +57,8 @@ _NUM_RE = re.compile(rb"^ ?[0-9]+$")
 _ALPHA_RE = re.compile(rb"^ ?[A-Za-z]+$")
 _CAPS_RE = re.compile(rb"^ ?[A-Z]{2,}$")
 
-DEFAULTS = dict(max_key=8, max_shape_key=12, max_run=32, min_count=3, agree=0.95, max_recipes=4096)
+COPY = -100  # a run (COPY, n): copy up to n tokens from the prompt (see ``copy_source``)
+DEFAULTS = dict(max_key=8, max_shape_key=12, max_run=32, min_count=3, agree=0.95, max_recipes=4096, copy_agree=0.5)
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
@@ -96,6 +97,39 @@ def shape_of(tokens: Sequence[int], classes: Sequence[int]) -> list[int]:
             continue
         out.append(s)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- copying
+def prompt_positions(prompt: Sequence[int]) -> dict[int, list[int]]:
+    """Token id -> its positions in the prompt (for ``copy_source``)."""
+    pos: dict[int, list[int]] = {}
+    for j, t in enumerate(prompt):
+        pos.setdefault(t, []).append(j)
+    return pos
+
+
+def copy_source(prompt: Sequence[int], positions: dict[int, list[int]], seq: Sequence[int], max_match: int = 4
+                ) -> int | None:
+    """Where in the prompt a copy of ``seq``'s continuation would start: after the prompt occurrence of seq's last
+    token whose preceding tokens match seq's longest (latest occurrence on ties); None when there is none."""
+    if not seq:
+        return None
+    cands = positions.get(seq[-1])
+    if not cands:
+        return None
+    n = len(prompt)
+    best, best_len = -1, 0
+    for p in reversed(cands):
+        if p + 1 >= n:
+            continue  # the prompt's own last token: nothing after it to copy
+        m = 1
+        while m < max_match and p - m >= 0 and m < len(seq) and prompt[p - m] == seq[-1 - m]:
+            m += 1
+        if m > best_len:
+            best, best_len = p, m
+            if m == max_match:
+                break
+    return best + 1 if best >= 0 else None
 
 
 # ---------------------------------------------------------------------------------------------- the pack
@@ -259,7 +293,8 @@ class RecipePack:
     def stats(self) -> dict:
         by_kind = {k: sum(1 for r in self.recipes.values() if r.kind == k and r.run) for k in KINDS}
         by_kind["blockers"] = sum(1 for r in self.recipes.values() if not r.run)
-        runs = [len(r.run) for r in self.recipes.values() if r.run]
+        by_kind["copy"] = sum(1 for r in self.recipes.values() if r.run[:1] == (COPY,))
+        runs = [len(r.run) for r in self.recipes.values() if r.run and r.run[0] != COPY]
         return {"recipes": len(self.recipes), **by_kind, "run_tokens": sum(runs),
                 "mean_run": (sum(runs) / len(runs)) if runs else 0.0, "max_run": max(runs, default=0),
                 "bytes": len(self.to_json_bytes()), "fingerprint": self.fingerprint, "tokenizer": self.tokenizer_name}
@@ -268,6 +303,8 @@ class RecipePack:
     def _text(self, ids: Sequence[int]) -> str:
         if self._token_bytes is None:
             return ""
+        if len(ids) == 2 and ids[0] == COPY:
+            return f"<copy up to {ids[1]} tokens from the prompt>"
         n = len(self._token_bytes)
         return b"".join(self._token_bytes[i] if 0 <= i < n else b"" for i in ids).decode("utf-8", "replace")
 
@@ -335,7 +372,7 @@ class RecipePack:
                 if kind not in KINDS:
                     raise RecipePackError(f"{where}: recipe {i} has unknown kind {kind!r}")
                 run = tuple(int(t) for t in r["run"])
-                if run and min(run) < 0:
+                if run and (min(run[1:], default=0) < 0 or (run[0] < 0 and (run[0] != COPY or len(run) != 2))):
                     raise RecipePackError(f"{where}: recipe {i} has a bad run")
                 recipes.append(Recipe(kind, _key_from_json(r["key"], f"{where}: recipe {i}"), run, int(r["count"]),
                                       int(r.get("seen", 0))))
@@ -440,14 +477,19 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
           max_shape_key: int = DEFAULTS["max_shape_key"], max_run: int = DEFAULTS["max_run"],
           min_count: int = DEFAULTS["min_count"], agree: float = DEFAULTS["agree"],
           max_recipes: int = DEFAULTS["max_recipes"], meta: dict | None = None, extra: Iterable[Sample] = (),
-          shapes: bool = True, progress: bool = False) -> RecipePack:
+          shapes: bool = True, copy: bool = True, copy_agree: float = DEFAULTS["copy_agree"],
+          progress: bool = False) -> RecipePack:
     """Turn verified samples into a pack.
 
     Every output position of every sample is an occurrence of each of its context suffixes (the last 1..max_key
     tokens, the last 1..max_shape_key shape symbols; the context reaches back into the prompt).  A key becomes a
     recipe when its occurrences agree on a run (see ``_runs``).  A key whose one-shorter suffix already gives the
     same run is redundant and dropped (lookups take the longest match).  ``extra`` samples (e.g. a miss log) are
-    added to ``samples``."""
+    added to ``samples``.
+
+    Copy recipes (``copy``): where a shape key has no agreed run but, at ``copy_agree`` of its occurrences, the
+    model went on with what follows the matching spot of the prompt (``copy_source``: values such as names, ids and
+    numbers copied from the request), the recipe is ``(COPY, n)``: draft up to n tokens from the prompt."""
     classes = class_table(tokenizer.token_bytes, tokenizer.vocab_size)
     lit: dict[tuple[int, ...], list] = {}
     shp: dict[tuple[int, ...], list] = {}
@@ -456,22 +498,35 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
     if progress:
         it = _tqdm(all_samples, desc="indexing", unit="sample")
     n_tokens = 0
+    copies: dict[tuple[int, ...], list[int]] = {}  # shape key -> per occurrence, how many tokens a copy got right
+    lcopies: dict[tuple[int, ...], list[int]] = {}  # the same for literal keys
     for s in it:
         seq = list(s.prompt) + list(s.output)
         start = len(s.prompt)
         n_tokens += len(s.output)
         sh = shape_of(seq[:start], classes) if shapes else []
+        ppos = prompt_positions(s.prompt) if copy else {}
         for i in range(start, len(seq)):
+            c = 0
+            if copy:
+                src = copy_source(s.prompt, ppos, seq[:i])
+                if src is not None:
+                    while i + c < len(seq) and src + c < start and seq[src + c] == seq[i + c] and c < max_run:
+                        c += 1
             for n in range(1, min(max_key, i) + 1):
                 lit.setdefault(tuple(seq[i - n:i]), []).append((seq, i))
+                if copy:
+                    lcopies.setdefault(tuple(seq[i - n:i]), []).append(c)
             if shapes:
                 if i > start:
                     t = seq[i - 1]
-                    c = classes[t] if t < len(classes) else t
-                    if not (c < 0 and sh and sh[-1] == c):
-                        sh.append(c)
+                    sym = classes[t] if t < len(classes) else t
+                    if not (sym < 0 and sh and sh[-1] == sym):
+                        sh.append(sym)
                 for n in range(1, min(max_shape_key, len(sh)) + 1):
                     shp.setdefault(tuple(sh[-n:]), []).append((seq, i))
+                    if copy:
+                        copies.setdefault(tuple(sh[-n:]), []).append(c)
     recipes: list[Recipe] = []
     for kind, table in (("literal", lit), ("shape", shp)):
         found: dict[tuple[int, ...], tuple[tuple[int, ...], int, int]] = {}
@@ -480,6 +535,11 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
             if len(occ) < min_count:
                 continue
             got = _runs(occ, min_count=min_count, agree=agree, max_run=max_run)
+            if got is None and copy:
+                cs = (copies if kind == "shape" else lcopies)[key]
+                hits = [c for c in cs if c > 0]
+                if len(hits) >= min_count and len(hits) >= copy_agree * len(cs):
+                    got = ((COPY, max(hits)), len(hits))  # here the model copies from the prompt
             if got is None:
                 if len(key) > 1 and found.get(key[1:], ((),))[0]:
                     found[key] = ((), 0, len(occ))  # a blocker: a shorter key has a run, this context disagrees
@@ -496,7 +556,7 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
                     continue
             recipes.append(Recipe(kind, key, run, support, seen))
     m = {"samples": len(all_samples), "sample_tokens": n_tokens, "max_key": max_key, "max_shape_key": max_shape_key,
-         "max_run": max_run, "min_count": min_count, "agree": agree}
+         "max_run": max_run, "min_count": min_count, "agree": agree, "copy": copy, "copy_agree": copy_agree}
     m.update(meta or {})
     pack = RecipePack(recipes, fingerprint=tokenizer.fingerprint, tokenizer_name=getattr(tokenizer, "name", "tokenizer"),
                       meta=m, tokenizer=tokenizer)
@@ -580,9 +640,14 @@ def merge(a: RecipePack, b: RecipePack, *, agree: float = DEFAULTS["agree"], max
             r = ra or rb
             out[key] = Recipe(r.kind, r.key, r.run, r.count, r.seen)
             continue
+        if ra.run[:1] == (COPY,) and rb.run[:1] == (COPY,):
+            out[key] = Recipe(ra.kind, ra.key, (COPY, max(ra.run[1], rb.run[1])), ra.count + rb.count,
+                              ra.seen + rb.seen)
+            continue
         n = 0
-        while n < min(len(ra.run), len(rb.run)) and ra.run[n] == rb.run[n]:
-            n += 1
+        if ra.run[:1] != (COPY,) and rb.run[:1] != (COPY,):
+            while n < min(len(ra.run), len(rb.run)) and ra.run[n] == rb.run[n]:
+                n += 1
         if n:
             out[key] = Recipe(ra.kind, ra.key, ra.run[:n], ra.count + rb.count, ra.seen + rb.seen)
         else:  # disagree at once (a blocker weighs what it has seen)
