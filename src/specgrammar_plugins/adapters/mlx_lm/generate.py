@@ -94,6 +94,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
                     seed: int | None = None, rng: np.random.Generator | None = None, prompt_cache: list | None = None,
                     cached_tokens: Sequence[int] | None = None, blind: bool = False, stream=None,
                     prefill_step_size: int = 2048, stop_token_ids: Sequence[int] | None = None,
+                    lam: float | None = None, adaptive: bool = False, budget: int | None = None,
                     logits_processors=None, sampler=None, **kwargs) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per generated token (the last one with ``finish_reason`` and ``stats``).
 
@@ -102,6 +103,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
     constraint: ``ConstraintSpec`` or ``CompiledConstraint`` (None = unconstrained).  recipe: passed to the
     drafter chain (``DraftContext(recipe=...)``).  drafters: names in chain order (default forced, recipe, model).
     blind: draft without the grammar mask (benchmarks only: reproduces the grammar-blind draft).
+    lam / adaptive / budget: the opt-in cost-aware law (core ``cost.make_tilt``): the output law is then the tilted
+    q_lambda, still sampled exactly.
     """
     if sampler is not None:
         raise ValueError("pass temperature/top_p/top_k/min_p instead of a sampler: the exact verifier rebuilds the "
@@ -167,8 +170,11 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
                        recipe=recipe, blind=blind)
     names = tuple(drafters) if drafters is not None else DEFAULT_DRAFTERS
     chain = build_chain(names, ctx) if num_draft_tokens > 0 else None
+    from ...cost import make_tilt
+
+    tilt = make_tilt(compiled, lam=lam, adaptive=adaptive, budget=budget, max_tokens=max_tokens)
     loop = SpeculativeLoop(target, full, constraint=compiled, drafter=chain, k=num_draft_tokens if chain else 0,
-                           params=params, max_tokens=max_tokens, rng=rng, stop_token_ids=stops)
+                           params=params, max_tokens=max_tokens, rng=rng, stop_token_ids=stops, tilt_fn=tilt)
     detok = tokenizer.detokenizer
     stopset = frozenset(stops)
     yielded = 0

@@ -6,7 +6,8 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
 - request fields (``request_fields``): every constraint spelling the core's ``parse_request`` reads
   (``response_format`` json_schema / json_object / regex / grammar, top-level ``regex`` / ``grammar`` /
   ``json_schema`` / ``choice``, vLLM-style ``structured_outputs``) and the ``specgrammar`` options object
-  (``k``, ``drafters``, ``recipe``, ``engine``).  The constraint is compiled right away, so an invalid
+  (``k``, ``drafters``, ``recipe``, ``engine``; ``trigger``, and the opt-in cost-aware ``lambda`` / ``adaptive`` /
+  ``budget``, which our loop applies).  The constraint is compiled right away, so an invalid
   schema / regex / grammar is answered with HTTP 400 and the engine's reason; the server keeps serving.
 - without a draft model, a constrained request stays on mlx-lm's batching path with the history-keyed grammar
   logits processor (``logits_processors``); a request that sends a ``specgrammar`` object is served by our loop
@@ -173,7 +174,8 @@ def stream_generate(model, tokenizer, draft_model, prompt, prompt_cache, context
     gen = ours(model, tokenizer, prompt, max_tokens=args.max_tokens, draft_model=draft_model, num_draft_tokens=k,
                constraint=plan.spec if plan is not None else None, engine=_engine(options), recipe=options.recipe,
                drafters=options.drafters, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-               seed=args.seed, prompt_cache=prompt_cache,
+               seed=args.seed, prompt_cache=prompt_cache, lam=options.lam, adaptive=options.adaptive,
+               budget=options.budget,
                cached_tokens=list(context.prompt[: context.prompt_cache_count]),
                prefill_step_size=generation_kwargs.get("prefill_step_size") or 2048)
     return _logged(gen)
