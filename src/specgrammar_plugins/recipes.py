@@ -58,7 +58,7 @@ _ALPHA_RE = re.compile(rb"^ ?[A-Za-z]+$")
 _CAPS_RE = re.compile(rb"^ ?[A-Z]{2,}$")
 
 COPY = -100  # a run (COPY, n): copy up to n tokens from the prompt (see ``copy_source``)
-DEFAULTS = dict(max_key=8, max_shape_key=12, max_run=32, min_count=3, agree=0.95, max_recipes=4096, copy_agree=0.5)
+DEFAULTS = dict(max_key=8, max_shape_key=12, max_run=32, min_count=2, agree=0.8, max_recipes=4096, copy_agree=0.5)
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 

@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("-w", "--workload", action="append", help="structured workload (repeatable; default: all)")
     b.add_argument("-n", type=int, default=200, help="train prompts per workload (default 200)")
     b.add_argument("-k", type=int, default=4, help="samples per prompt (default 4)")
-    b.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    b.add_argument("--temperature", type=float, default=0.5,
+                   help="sampling temperature of the k verified samples (default 0.5: recipes for the model's mode)")
     b.add_argument("--max-tokens", type=int, default=96)
     b.add_argument("--model", help="target model folder (default: the bundled tiny target)")
     b.add_argument("--engine", help="grammar engine (default: the core's)")
