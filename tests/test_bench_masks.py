@@ -36,8 +36,8 @@ def test_bench_masks_quick(tmp_path, capsys):
     assert len({r["workload"] for r in measured}) == 5
     for r in measured:
         assert "error" not in r, r
-        for key in ("compile_ms", "mask_us_median", "mask_us_p99", "raw_us_median", "draft_us_median",
-                    "overhead_pct"):
+        for key in ("compile_ms", "mask_us_median", "mask_us_p99", "mask_cold_us_median", "repeat_us_median",
+                    "raw_us_median", "draft_us_median", "overhead_pct"):
             assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (r["workload"], r["engine"], key)
         assert r["draft_k"] >= 1 and r["n_positions"] >= 1
     # what an engine cannot do is reported, not raised (outlines-core has no any-JSON)

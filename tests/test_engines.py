@@ -576,3 +576,18 @@ def test_engine_tokenizer_objects_are_cached(toy):
     x = cache.get(toy)
     assert cache.get(toy) is x and len(built) == 1
     assert cache.get(toy.with_vocab_size(200)) is not x and len(built) == 2
+
+
+@pytest.mark.parametrize("engine", NATIVE)
+def test_json_schema_compact_option(engine):
+    """``any_whitespace=False`` means the compact form ``{"a":1,"b":2}`` on every engine."""
+    tok = get_tok("toy")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "required": ["a", "b"]}
+    compact = compile_constraint(ConstraintSpec.json_schema(schema, options=(("any_whitespace", False),)), tok, engine)
+    walk_text(compact, '{"a":1,"b":2}')
+    m = compact.matcher()
+    assert m.accept_bytes(b'{"a":1,')
+    assert not m.accept_bytes(b" ")
+    flexible = compile_constraint(ConstraintSpec.json_schema(schema, options=(("any_whitespace", True),)), tok, engine)
+    walk_text(flexible, '{"a": 1, "b": 2}')
