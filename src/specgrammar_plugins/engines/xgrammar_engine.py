@@ -147,7 +147,9 @@ class XGrammarEngine:
             elif spec.syntax == "lark":
                 cg = comp.compile_lark(spec.value)
             elif spec.syntax == "gbnf":
-                cg = comp.compile_grammar(fill_empty_alternatives(spec.value), root_rule_name="root")
+                from ..gbnf import normalize_gbnf  # empty alternatives + fast string bodies
+
+                cg = comp.compile_grammar(normalize_gbnf(spec.value), root_rule_name="root")
             else:  # ebnf: xgrammar's own EBNF dialect
                 cg = comp.compile_grammar(spec.value, root_rule_name=options.get("root_rule", "root"))
         except ConstraintError:
