@@ -1,2 +1,24 @@
 """Benchmarks: ``masks`` (grammar engines: compile, per-token masks, draft masks, our overhead) and the host
 benchmarks (``mlx_host``, ``llama_cpp_host``, ``vllm_host``).  Each module has a ``main(argv) -> int``."""
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "masks": "grammar engines: compile ms, per-token mask us, k-token draft masks, our overhead",
+    "coverage": "JSON Schema / GBNF coverage on MaskBench and llama.cpp grammars per engine and policy",
+    "mlx_host": "mlx-lm: our loop vs mlx-lm constrained and mlx-lm's own speculative loop",
+    "llama_cpp_host": "llama-cpp-python: our Llama vs stock Llama (no drafting / blind draft_model)",
+    "vllm_host": "vLLM: our proposer vs ngram and draft_model under the same structured outputs",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0].replace("-", "_") not in BENCHMARKS:
+        print("usage: specgrammar bench NAME [options]   (NAME --help for its options)\n")
+        for name, what in BENCHMARKS.items():
+            print(f"  {name:16} {what}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    mod = importlib.import_module(f"{__name__}.{argv[0].replace('-', '_')}")
+    return int(mod.main(argv[1:]) or 0)
