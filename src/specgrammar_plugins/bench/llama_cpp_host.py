@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from typing import Sequence
 
@@ -109,6 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..workloads import STRUCTURED, chat_prompt, constraint, examples
 
     target_path, draft_path = str(tiny_gguf("target")), str(tiny_gguf("draft"))
+    for path in (target_path, draft_path):
+        if not os.path.exists(path):
+            print(f"{path} is absent: build the tiny models first (scripts/build_models.py)", file=sys.stderr)
+            return 2
     kw = dict(n_threads=args.threads, n_threads_batch=args.threads, n_ctx=args.n_ctx, verbose=False, seed=0)
     workloads = args.workloads or list(STRUCTURED)
     requests = [(w, chat_prompt(e.prompt)) for w in workloads for e in examples(w, "eval", args.n)]
