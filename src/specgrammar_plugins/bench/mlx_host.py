@@ -16,7 +16,7 @@ checked against the workload's validator.  Tiny models on CPU are dominated by P
 ratios understate what memory-bound shapes see (see hosts.md); tokens per target pass is the portable number.
 
     python -m specgrammar_plugins.bench.mlx_host [--n 4] [--k 4] [--max-tokens 64] [--temperatures 0 0.7]
-                                                 [--workloads ...] [--out results.json]
+                                                 [--workloads ...] [--out results.json] [--models T D]
 """
 
 from __future__ import annotations
@@ -104,14 +104,15 @@ def run_one(config: str, model, draft, tok, ids: list[int], spec, k: int, max_to
 
 
 def run(n: int, k: int, max_tokens: int, temperatures: Sequence[float], workloads: Sequence[str],
-        configs: Sequence[str] = CONFIGS) -> list[dict]:
+        configs: Sequence[str] = CONFIGS, models: Sequence[str] | None = None) -> list[dict]:
     from mlx_lm import load
 
     from .. import workloads as W
     from ..models import tiny_path
 
-    model, tok = load(str(tiny_path("target")))
-    draft, _ = load(str(tiny_path("draft")))
+    t_dir, d_dir = models if models else (tiny_path("target"), tiny_path("draft"))
+    model, tok = load(str(t_dir))
+    draft, _ = load(str(d_dir))
     rows = []
     for temperature in temperatures:
         for w in workloads:
@@ -182,10 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--models", nargs=2, metavar=("TARGET", "DRAFT"), default=None,
+                    help="model folders (default: the bundled tiny pair)")
     args = ap.parse_args(argv)
     print(f"BLAS: {preloaded() or 'reference (mlx wheel default; apt-get install -y libopenblas0-pthread)'}")
     t0 = time.perf_counter()
-    rows = run(args.n, args.k, args.max_tokens, args.temperatures, args.workloads)
+    rows = run(args.n, args.k, args.max_tokens, args.temperatures, args.workloads, models=args.models)
     print()
     print(table(rows))
     print(f"\n{time.perf_counter() - t0:.0f}s; command: python -m specgrammar_plugins.bench.mlx_host "
