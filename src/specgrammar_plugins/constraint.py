@@ -8,6 +8,7 @@ Masks are packed int32 bitmask rows: bit ``j`` of word ``i`` set <=> token ``32*
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -293,6 +294,44 @@ CACHE = CompileCache()
 DEFAULT_ENGINE = "xgrammar"
 
 
+@dataclass
+class Limits:
+    """Process-wide limits, configurable by environment (``SPECGRAMMAR_MAX_CONSTRAINT_BYTES``,
+    ``SPECGRAMMAR_COMPILE_TIMEOUT_S``) or by assigning ``constraint.LIMITS.<name>``.
+
+    compile_timeout_s: a compile that takes longer is abandoned: the request gets a ``ConstraintError`` at once and
+    the engine's worker thread (native code cannot be interrupted) finishes in the background, its result dropped.
+    With ``engine="auto"`` every engine but the last gets ``auto_try_s`` before the next is tried.
+    """
+
+    max_constraint_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_CONSTRAINT_BYTES", 1 << 20))
+    compile_timeout_s: float = float(os.environ.get("SPECGRAMMAR_COMPILE_TIMEOUT_S", 30.0))
+    auto_try_s: float = 2.0
+
+
+LIMITS = Limits()
+_POOL = None
+_SLOW: set[tuple] = set()  # (spec key, tokenizer, engine) that ran out of compile time under "auto"
+
+
+def _compile_with_timeout(eng, spec, tokenizer, options, timeout: float):
+    global _POOL
+    if timeout is None or timeout <= 0:
+        return eng.compile(spec, tokenizer, options)
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="specgrammar-compile")
+    fut = _POOL.submit(eng.compile, spec, tokenizer, options)
+    from concurrent.futures import TimeoutError as FutTimeout
+
+    try:
+        return fut.result(timeout=timeout)
+    except FutTimeout:
+        raise ConstraintError(f"compiling took longer than {timeout:g} s (the compile time limit); abandoned",
+                              engine=getattr(eng, "name", None), kind=spec.kind) from None
+
+
 # The engine policy ``engine="auto"``: per constraint kind, the engines to try in order (first that compiles wins).
 # JSON Schema: llguidance compiles in ~1-2 ms where xgrammar takes 100 ms to seconds, and refuses what it cannot
 # enforce; GBNF: llguidance takes llama.cpp's grammars verbatim; regex: xgrammar has the fastest masks.
@@ -312,7 +351,8 @@ def policy_engines(spec: ConstraintSpec) -> tuple[str, ...]:
 
 
 def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str | None = None,
-                       cache: CompileCache | None = CACHE, **options) -> CompiledConstraint:
+                       cache: CompileCache | None = CACHE, *, _timeout: float | None = None,
+                       **options) -> CompiledConstraint:
     """Compile ``spec`` for ``tokenizer`` with ``engine`` (default xgrammar; ``"auto"`` = the policy above), once:
     later calls hit the cache.
 
@@ -321,12 +361,26 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: s
     Raises ``ConstraintError`` with the engine's reason for anything the engine refuses.
     """
     engine = engine or DEFAULT_ENGINE
+    size = len(spec.value.encode("utf-8")) if isinstance(spec.value, str) else len(spec.key())
+    if size > LIMITS.max_constraint_bytes:
+        raise ConstraintError(f"the constraint is {size} bytes; the limit is {LIMITS.max_constraint_bytes} "
+                              "(SPECGRAMMAR_MAX_CONSTRAINT_BYTES)", engine=engine, kind=spec.kind)
     if engine == "auto":
         errors: list[ConstraintError] = []
-        for name in policy_engines(spec):
+        names = policy_engines(spec)
+        for i, name in enumerate(names):
+            slow_key = (spec.without_trigger().key(), tokenizer.fingerprint, name)
+            if slow_key in _SLOW and i < len(names) - 1:
+                continue  # this engine already ran out of time on this constraint: go straight to the next
             try:
-                return compile_constraint(spec, tokenizer, name, cache, **options)
+                timeout = LIMITS.compile_timeout_s if i == len(names) - 1 else min(LIMITS.auto_try_s,
+                                                                                    LIMITS.compile_timeout_s)
+                return compile_constraint(spec, tokenizer, name, cache, _timeout=timeout, **options)
             except ConstraintError as e:
+                if "compile time limit" in e.reason:
+                    if len(_SLOW) > 4096:
+                        _SLOW.clear()
+                    _SLOW.add(slow_key)
                 if "needs the" in e.reason and "package" in e.reason:  # engine not installed: try the next one
                     continue
                 errors.append(e)
@@ -349,7 +403,8 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: s
         eng = get_engine(engine)
         t0 = time.perf_counter()
         try:
-            hit = eng.compile(spec.without_trigger(), tokenizer, options)
+            hit = _compile_with_timeout(eng, spec.without_trigger(), tokenizer, options,
+                                        LIMITS.compile_timeout_s if _timeout is None else _timeout)
         except ConstraintError:
             raise
         except Exception as e:  # an engine's own exception type: report its words under ours
