@@ -37,8 +37,8 @@ from specgrammar_plugins.adapters.vllm.offline import (  # noqa: E402
     make_llm, proposer_of, sampling_params, scheduler_of, spec_metrics)
 
 K = 4
-N_PER_WORKLOAD = 3
-MAX_TOKENS = 96
+N_PER_WORKLOAD = 2
+MAX_TOKENS = 80
 
 
 def _count_truncations(llm):
@@ -81,6 +81,16 @@ def engines():
 
     ns.add_model = add_model
     return ns
+
+
+def test_general_plugin_installed_the_cpu_fix(engines):
+    from specgrammar_plugins.adapters.vllm import compat, cpu_fix, plugin
+
+    assert plugin.STATE["registered"], plugin.STATE
+    if cpu_fix.is_buggy(*compat.vllm_distribution()) and os.environ.get("SPECGRAMMAR_VLLM_FIXES", "1") != "0":
+        from vllm.utils import cpu_triton_utils
+
+        assert plugin.STATE["cpu_fix"] and cpu_triton_utils._expand_kernel_impl is cpu_fix.expand_kernel_impl
 
 
 def _run(llm, proposer, prompts, params):

@@ -5,6 +5,7 @@ Every configuration decodes the same prompts under the same structured outputs (
 
     plain        no speculation (the baseline, and the reference every greedy output is compared with)
     grammar      --speculative-config method=custom_class, GrammarProposer (forced tokens + jump-forward strings)
+    grammar_model  the same with the tiny draft model behind the forced drafts (grammar-masked proposal law)
     ngram        method=ngram (prompt lookup, n in [1, 4])
     draft_model  method=draft_model with the tiny draft (grammar-blind drafts; vLLM truncates invalid ones)
 
@@ -27,7 +28,7 @@ import sys
 import tempfile
 from typing import Sequence
 
-METHODS = ("plain", "grammar", "ngram", "draft_model")
+METHODS = ("plain", "grammar", "grammar_model", "ngram", "draft_model")
 
 
 def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
@@ -39,8 +40,11 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     from ..adapters.vllm.offline import make_llm, proposer_of, sampling_params, spec_metrics
     from ..models import tiny_path
 
-    llm = make_llm(tiny_path("target"), method=None if method == "plain" else method, k=k,
-                   draft_model=str(tiny_path("draft")))
+    draft = str(tiny_path("draft"))
+    if method == "grammar_model":
+        llm = make_llm(tiny_path("target"), method="grammar", k=k, specgrammar={"draft_model": draft})
+    else:
+        llm = make_llm(tiny_path("target"), method=None if method == "plain" else method, k=k, draft_model=draft)
     rows: list[dict] = []
     for w in workloads:
         exs = W.examples(w, "eval", n)

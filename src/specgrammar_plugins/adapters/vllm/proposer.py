@@ -106,6 +106,12 @@ class GrammarProposer:
         engine, eng_opts = engine_options(vllm_config)
         self.engine = self.options.get("engine", engine)
         self.engine_options = {**eng_opts, **dict(self.options.get("engine_options", {}) or {})}
+        so_cfg = getattr(vllm_config, "structured_outputs_config", None)
+        # with a reasoning parser vLLM's grammar starts after the reasoning ends, which the proposer cannot see
+        self.reasoning = bool(getattr(so_cfg, "reasoning_parser", "") or "")
+        if self.reasoning:
+            log.warning("specgrammar: a reasoning parser is configured; GrammarProposer drafts nothing "
+                        "(vLLM's grammar starts after the reasoning, which the proposer does not track)")
         self.model_config = vllm_config.model_config
         self.vocab_size = int(self.model_config.get_vocab_size())
         self.max_model_len = int(self.model_config.max_model_len)
@@ -160,7 +166,7 @@ class GrammarProposer:
         sp = getattr(req, "sampling_params", None)
         prompt_len = int(getattr(req, "num_prompt_tokens", 0) or 0)
         spec = spec_from_params(getattr(sp, "structured_outputs", None)) if sp is not None else None
-        if spec is None:
+        if spec is None or self.reasoning:
             self.counters["requests_without_grammar"] += 1
             return _RequestState(None, None, prompt_len, ())
         stop_ids = tuple(sorted(int(t) for t in (getattr(sp, "all_stop_token_ids", None) or ())))
@@ -178,10 +184,19 @@ class GrammarProposer:
             from .draft_runner import TorchRunner
 
             runner = TorchRunner(self.draft_model, self.vocab_size)
-        ctx = DraftContext(tokenizer=tok, params=core_params(sp), rng=self._rng, draft_runner=runner,
+        # the drafters see the model's tokenizer (recipe packs are fingerprinted against it), the matcher the
+        # request's stop tokens
+        ctx = DraftContext(tokenizer=self._tokinfo, params=core_params(sp), rng=self._rng, draft_runner=runner,
                            target_vocab_size=self.vocab_size, recipe=self.options.get("recipe"),
                            options=self.options)
-        drafter = build_chain(self.drafter_names, ctx)
+        try:
+            drafter = build_chain(self.drafter_names, ctx)
+        except Exception as e:  # a missing/mismatched recipe pack, an unknown drafter: serve without them
+            names = [n for n in self.drafter_names if n in ("forced", "model")]
+            log.warning("specgrammar: drafters %s unavailable (%s: %s); using %s", list(self.drafter_names),
+                        type(e).__name__, e, names)
+            self.drafter_names = tuple(names)
+            drafter = build_chain(self.drafter_names, ctx)
         if drafter is None:
             return _RequestState(None, None, prompt_len, stop_ids)
         st = _RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
