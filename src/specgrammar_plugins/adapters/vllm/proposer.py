@@ -17,7 +17,9 @@ Verification is vLLM's rejection sampler.  Forced and recipe drafts are one-hot 
 same token; greedy: the argmax).  Draft-model tokens are sampled from the proposal law r (the core's ``log_law``
 on the draft's logits with the request's mask and sampling options); the proposer hands r to the sampler
 (``runner._draft_probs``, the rows vLLM's own draft-model path fills through ``take_last_draft_probs``), which then
-accepts with min(1, q/r) and samples rejections from norm(max(0, q - r)): exact at any temperature.  Requests
+accepts with min(1, q/r) and samples rejections from norm(max(0, q - r)): exact at any temperature, with acceptance
+sum(min(q, r)).  (Verifying a sampled draft as one-hot would be exact too, since the draft is independent of the
+target's randomness, but accepts only sum(r*q); the law must be the one the token was drawn from.)  Requests
 without structured outputs get no drafts.
 
 Options (``--additional-config '{"specgrammar": {...}}'``): ``drafters`` (default forced, recipe[, model]),
@@ -43,7 +45,7 @@ from ...constraint import compile_constraint
 from ...drafters import DraftBlock, DraftContext, build_chain
 from ...errors import ConstraintError
 from ...processor import HistoryMatcher
-from .structured import engine_options, spec_from_params
+from .structured import ENGINES, engine_options, spec_from_params
 
 log = logging.getLogger("vllm.specgrammar")
 
@@ -172,7 +174,8 @@ class GrammarProposer:
         stop_ids = tuple(sorted(int(t) for t in (getattr(sp, "all_stop_token_ids", None) or ())))
         tok = self._tokenizer_info(stop_ids, getattr(sp, "eos_token_id", None))
         try:
-            compiled = compile_constraint(spec, tok, engine=self.engine, **self.engine_options)
+            compiled = compile_constraint(spec, tok, engine=self._engine_for(sp.structured_outputs),
+                                          **self.engine_options)
         except ConstraintError as e:  # vLLM's own backend refuses it too (or will): no drafts, no failure here
             self.counters["compile_errors"] += 1
             log.warning("specgrammar: no grammar drafts for a request: %s", e)
@@ -236,6 +239,13 @@ class GrammarProposer:
             for s in block.sources:
                 self.sources[s] = self.sources.get(s, 0) + 1
         return drafts
+
+    def _engine_for(self, so) -> str:
+        """The engine vLLM picked for this request (``_backend``, set by its front end; "auto" resolves per
+        request), unless the ``engine`` option says otherwise."""
+        if "engine" in self.options:
+            return self.engine
+        return ENGINES.get(getattr(so, "_backend", None) or "", self.engine)
 
     def _hand_over_laws(self, runner, drafts: list[list[int]], laws: dict[int, list]) -> None:
         """Give vLLM's rejection sampler the proposal law of every draft of this step, [num_reqs, k, V] (one-hot
