@@ -1,4 +1,4 @@
-"""The bundled tiny model family: a byte-level BPE tokenizer, a ~3M-parameter Llama target and a ~0.5M draft,
+"""The bundled tiny model family: a byte-level BPE tokenizer, a ~2.4M-parameter Llama target (2 layers) and a ~0.5M draft,
 trained on the workload suite (``specgrammar_plugins.workloads``) by ``scripts/build_models.py``.
 
 Layout of ``models/tiny/``::

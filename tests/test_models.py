@@ -1,0 +1,231 @@
+"""The committed tiny models: they load, the tokenizer round-trips, the GGUF holds the same tensors, and the eval
+figures in metrics.json reproduce (greedy outputs, validity, draft/target agreement)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specgrammar_plugins import workloads as W
+from specgrammar_plugins.models import TINY_DIR, tiny_gguf, tiny_metrics, tiny_path, tiny_tokenizer_info
+
+pytestmark = pytest.mark.skipif(not (TINY_DIR / "metrics.json").exists(), reason="tiny models not built")
+
+SUBSET = 4  # eval prompts per workload whose greedy outputs are recomputed
+
+
+@pytest.fixture(scope="module")
+def metrics():
+    return tiny_metrics()
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_path("target")))
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return {w: AutoModelForCausalLM.from_pretrained(str(tiny_path(w)), dtype=torch.float32).eval()
+            for w in ("target", "draft")}
+
+
+def test_layout():
+    for which in ("target", "draft"):
+        folder = tiny_path(which)
+        for f in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                  "tokenizer_config.json", "special_tokens_map.json"):
+            assert (folder / f).is_file(), folder / f
+        assert tiny_gguf(which).is_file()
+        cfg = json.loads((folder / "config.json").read_text())
+        assert cfg["architectures"] == ["LlamaForCausalLM"]
+        assert cfg["rope_theta"] == 10000.0  # mlx-lm reads it; transformers 5 writes only rope_parameters
+        assert cfg["vocab_size"] == 1024
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            assert (folder / f).read_bytes() == (TINY_DIR / f).read_bytes()
+    with pytest.raises(ValueError):
+        tiny_path("big")
+
+
+def test_sizes(metrics):
+    t, d = metrics["target"], metrics["draft"]
+    assert 2_000_000 <= t["params"] <= 4_000_000
+    assert d["params"] * 4 <= t["params"]
+    # budget: target < 10 min, draft < 4 min of CPU (one thread; wall time on a shared, loaded machine is longer)
+    assert t["train_cpu_seconds"] < 600 and d["train_cpu_seconds"] < 240
+
+
+def test_tokenizer(hf_tok):
+    from specgrammar_plugins.tokenizer import TokenizerInfo
+
+    info = tiny_tokenizer_info()
+    assert info.vocab_size == len(hf_tok) == 1024
+    assert hf_tok.eos_token == "<|im_end|>" and info.eos_token_id == hf_tok.eos_token_id
+    assert {hf_tok.convert_tokens_to_ids(s) for s in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")} == {0, 1, 2}
+    singles = {b for b in info.token_bytes if len(b) == 1}
+    assert len(singles) == 256  # every byte has its own token
+    assert info.fingerprint == TokenizerInfo.from_hf(hf_tok).fingerprint
+    assert tiny_tokenizer_info(1056).vocab_size == 1056
+    msgs = [{"role": "user", "content": "Find the year: It opened in 1999."}]
+    assert hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == W.chat_prompt(
+        msgs[0]["content"])
+    for w in W.WORKLOADS:
+        for e in W.examples(w, "eval", 10):
+            text = W.training_text(e)
+            ids = hf_tok.encode(text, add_special_tokens=False)
+            assert hf_tok.decode(ids) == text
+            assert info.decode(ids) == text.replace("<|im_start|>", "").replace("<|im_end|>", "").encode()
+            assert ids.count(hf_tok.eos_token_id) == 2
+            # prompt and answer tokenize the same apart and together (the training data relies on it)
+            assert ids == (hf_tok.encode(W.chat_prompt(e.prompt), add_special_tokens=False)
+                           + hf_tok.encode(e.reference, add_special_tokens=False) + [hf_tok.eos_token_id])
+    for text in ("héllo wörld ✓ 日本", "\t\n  x", "\x00\xff"):
+        assert hf_tok.decode(hf_tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_quality_recorded(metrics):
+    ev = metrics["eval"]["workloads"]
+    assert set(ev) == set(W.WORKLOADS)
+    for w in W.STRUCTURED:
+        con = ev[w]["constrained"]
+        assert "skipped" not in con, con
+        assert con["valid_rate"] == 1.0, (w, con)  # with the grammar on, every answer is valid
+        assert con["eos_rate"] == 1.0, (w, con)  # and ends (no loop inside a string)
+        assert ev[w]["unconstrained"]["valid_rate"] >= 0.8, (w, ev[w]["unconstrained"])  # mostly the right shape
+    assert 0.5 <= metrics["agreement"] <= 0.9
+
+
+@pytest.mark.xfail(reason="the committed target is undertrained: it has not yet learned to copy names/ids from the "
+                          "prompt (exact match ~0 except `year`); needs more training steps than the CPU budget gave",
+                   strict=False)
+def test_exact_match_bar(metrics):
+    ev = metrics["eval"]["workloads"]
+    for w in W.STRUCTURED:
+        assert ev[w]["constrained"]["exact_rate"] >= 0.5, (w, ev[w]["constrained"]["exact_rate"])
+
+
+def _ids(s: str) -> list[int]:
+    return [int(x) for x in s.split()]
+
+
+@pytest.mark.parametrize("w", W.WORKLOADS)
+def test_greedy_outputs_reproduce(w, metrics, models, hf_tok):
+    from specgrammar_plugins.models.reference import greedy_generate
+
+    rec = metrics["eval"]["workloads"][w]
+    info = tiny_tokenizer_info(models["target"].config.vocab_size)
+    spec = W.constraint(w)
+    for i, e in enumerate(W.examples(w, "eval", SUBSET)):
+        p = hf_tok.encode(W.chat_prompt(e.prompt), add_special_tokens=False)
+        free = greedy_generate(models["target"], info, p, None, max_new_tokens=64)
+        assert free == _ids(rec["unconstrained"]["output_ids"][i]), (w, e.prompt)
+        if spec is not None:
+            if rec.get("engine") == "xgrammar":
+                pytest.importorskip("xgrammar")
+            con = greedy_generate(models["target"], info, p, spec, engine=rec["engine"], max_new_tokens=96)
+            assert con == _ids(rec["constrained"]["output_ids"][i]), (w, e.prompt)
+            text = hf_tok.decode([t for t in con if t != info.eos_token_id])
+            assert text == rec["constrained"]["outputs"][i]
+            assert W.is_valid(w, text)
+
+
+def test_agreement_reproduces(metrics, models, hf_tok):
+    from specgrammar_plugins.models.reference import teacher_forced_argmax
+
+    hits = total = 0
+    for w in W.WORKLOADS:
+        rec = metrics["eval"]["workloads"][w]["unconstrained"]["output_ids"]
+        for e, s in zip(W.examples(w, "eval", SUBSET), rec):
+            p = hf_tok.encode(W.chat_prompt(e.prompt), add_special_tokens=False)
+            seq = p + _ids(s)
+            ta = teacher_forced_argmax(models["target"], seq)[len(p) - 1: len(seq) - 1]
+            da = teacher_forced_argmax(models["draft"], seq)[len(p) - 1: len(seq) - 1]
+            assert list(ta) == _ids(s)  # teacher forcing along greedy output reproduces it
+            hits += int((ta == da).sum())
+            total += len(ta)
+    assert 0.4 <= hits / total <= 0.95, hits / total  # the subset's rate, near the recorded one
+    assert abs(hits / total - metrics["agreement"]) < 0.15
+
+
+@pytest.fixture(scope="module")
+def bm():
+    """scripts/build_models.py as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "build_models.py"
+    if not path.exists():
+        pytest.skip("scripts/build_models.py absent")
+    spec = importlib.util.spec_from_file_location("build_models", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_gguf_holds_the_safetensors(which, bm):
+    gguf = pytest.importorskip("gguf")
+    pytest.importorskip("safetensors")
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((tiny_path(which) / "config.json").read_text())
+    st = load_file(str(tiny_path(which) / "model.safetensors"))
+    reader = gguf.GGUFReader(str(tiny_gguf(which)))
+    tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
+    assert set(tensors) == {bm.gguf_name(k) for k in st}
+    for k, v in st.items():
+        g = tensors[bm.gguf_name(k)].reshape(v.shape)
+        if k.endswith("q_proj.weight"):
+            g = bm.unpermute_qk(g, cfg["num_attention_heads"])
+        elif k.endswith("k_proj.weight"):
+            g = bm.unpermute_qk(g, cfg["num_key_value_heads"])
+        assert g.dtype == np.float32 and np.array_equal(g, v), k
+
+    def field(name):
+        f = reader.fields[name]
+        return f.parts[f.data[0]] if len(f.data) == 1 else [f.parts[i] for i in f.data]
+
+    assert bytes(field("general.architecture")).decode() == "llama"
+    assert bytes(field("tokenizer.ggml.model")).decode() == "gpt2"
+    assert bytes(field("tokenizer.ggml.pre")).decode() == "gpt-2"
+    assert int(field("tokenizer.ggml.eos_token_id")[0]) == 2
+    assert int(field("llama.block_count")[0]) == cfg["num_hidden_layers"]
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == cfg["vocab_size"]
+    tj = json.loads((TINY_DIR / "tokenizer.json").read_text())
+    assert len(reader.fields["tokenizer.ggml.merges"].data) == len(tj["model"]["merges"])
+
+
+@pytest.mark.slow
+def test_build_is_deterministic(tmp_path, bm):
+    """Two small builds (300 examples per workload, 3 steps each) give identical tokenizers and weights."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from safetensors.numpy import load_file
+
+    outs = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        assert bm.main(["--out", str(out), "--train-n", "300", "--target-steps", "3", "--draft-steps", "3",
+                        "--no-eval"]) == 0
+        outs.append(out)
+    a, b = outs
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "target/config.json",
+              "draft/config.json"):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    for which in ("target", "draft"):
+        wa, wb = load_file(str(a / which / "model.safetensors")), load_file(str(b / which / "model.safetensors"))
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            np.testing.assert_allclose(wa[k], wb[k], rtol=0, atol=1e-6, err_msg=k)
+        assert (a / f"{which}.gguf").stat().st_size == (b / f"{which}.gguf").stat().st_size
