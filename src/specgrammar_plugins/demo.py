@@ -36,7 +36,7 @@ def _need_mlx() -> str | None:
 
 
 def run_demo(n: int, k: int, temperature: float, max_tokens: int, workloads, engine: str | None, seed: int,
-             out=print) -> dict:
+             out=print, recipes: bool = True) -> dict:
     from mlx_lm import load
 
     from . import workloads as W
@@ -50,14 +50,18 @@ def run_demo(n: int, k: int, temperature: float, max_tokens: int, workloads, eng
         f"engine={engine or 'default'}\n")
     total = {"tokens": 0, "passes": 0, "drafted": 0, "accepted": 0, "forced": 0, "valid": 0, "outputs": 0}
     t0 = time.perf_counter()
+    from .bench.mlx_host import shipped_pack
+
     for w in workloads:
         spec = W.constraint(w)
-        out(f"== {w} ({spec.kind if spec else 'no constraint'})")
+        pack = shipped_pack(w) if recipes else None
+        out(f"== {w} ({spec.kind if spec else 'no constraint'}{', recipe pack ' + w if pack else ''})")
         for i, ex in enumerate(W.examples(w, "eval", n)):
             ids = list(tok.encode(W.chat_prompt(ex.prompt), add_special_tokens=False))
             text, stats = "", None
             for r in stream_generate(model, tok, ids, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=k,
-                                     constraint=spec, engine=engine, temperature=temperature, seed=seed + i):
+                                     constraint=spec, engine=engine, temperature=temperature, seed=seed + i,
+                                     recipe=pack):
                 text += r.text
                 if r.stats is not None:
                     stats = r.stats
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", default=None, help="grammar engine (xgrammar, llguidance, outlines_core, dfa)")
     ap.add_argument("--workloads", nargs="+", default=list(STRUCTURED), choices=list(WORKLOADS))
+    ap.add_argument("--no-recipes", action="store_true", help="draft without the shipped recipe packs")
     ap.add_argument("--serve", action="store_true", help="start mlx_lm.server --plugin specgrammar instead")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080)
@@ -154,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.serve:
         reexec_with_openblas("specgrammar_plugins.demo", argv)
-        run_demo(args.n, args.k, args.temperature, args.max_tokens, args.workloads, args.engine, args.seed)
+        run_demo(args.n, args.k, args.temperature, args.max_tokens, args.workloads, args.engine, args.seed,
+                 recipes=not args.no_recipes)
         return 0
     return serve(args.host, args.port, args.k, args.engine)
 

@@ -3,8 +3,9 @@
 On the bundled tiny pair (fp32; OpenBLAS preloaded when installed), for each workload, the same eval prompts
 decoded by
 
-    ours        the stream_generate twin: grammar-aware drafter chain (forced -> recipe -> draft model), k drafts,
-                one target pass, exact accept/residual verification
+    ours        the stream_generate twin: grammar-aware drafter chain (forced -> recipe -> draft model; the shipped
+                ``recipes/<workload>.json`` pack unless --no-recipes), k drafts, one target pass, exact
+                accept/residual verification
     plain       (a) mlx-lm ``generate_step`` with our history-keyed grammar processor, no speculation
     mlx-blind   (b) mlx-lm ``speculative_generate_step`` with the draft model grammar-blind (the processor masks
                 only the target's rows: mlx-lm's loop with a stock draft model under a grammar)
@@ -58,8 +59,16 @@ class _TargetOnly:
         return self.processor(tokens, logits)
 
 
+def shipped_pack(workload: str):
+    """The shipped recipe pack for ``workload`` (``recipes/<workload>.json``), or None."""
+    from ..recipes import SHIPPED_DIR
+
+    p = SHIPPED_DIR / f"{workload}.json"
+    return str(p) if p.exists() else None
+
+
 def run_one(config: str, model, draft, tok, ids: list[int], spec, k: int, max_tokens: int, temperature: float,
-            seed: int) -> tuple[list[int], int, float]:
+            seed: int, recipe=None) -> tuple[list[int], int, float]:
     """(tokens up to the first EOS, target passes, seconds) for one prompt."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step, speculative_generate_step
@@ -72,7 +81,7 @@ def run_one(config: str, model, draft, tok, ids: list[int], spec, k: int, max_to
     t0 = time.perf_counter()
     if config == "ours":
         out, st = generate_tokens(model, tok, ids, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=k,
-                                  constraint=spec, temperature=temperature, seed=seed)
+                                  constraint=spec, temperature=temperature, seed=seed, recipe=recipe)
         return out, st.target_passes, time.perf_counter() - t0
     state: dict = {}
     target = _Counting(model, "target", state)
@@ -104,7 +113,7 @@ def run_one(config: str, model, draft, tok, ids: list[int], spec, k: int, max_to
 
 
 def run(n: int, k: int, max_tokens: int, temperatures: Sequence[float], workloads: Sequence[str],
-        configs: Sequence[str] = CONFIGS, models: Sequence[str] | None = None) -> list[dict]:
+        configs: Sequence[str] = CONFIGS, models: Sequence[str] | None = None, recipes: bool = True) -> list[dict]:
     from mlx_lm import load
 
     from .. import workloads as W
@@ -117,23 +126,24 @@ def run(n: int, k: int, max_tokens: int, temperatures: Sequence[float], workload
     for temperature in temperatures:
         for w in workloads:
             exs = W.examples(w, "eval", n)
+            pack = shipped_pack(w) if recipes else None
             # warm-up: compile the grammar, touch every code path once
             ids0 = list(tok.encode(W.chat_prompt(exs[0].prompt), add_special_tokens=False))
             for c in configs:
-                run_one(c, model, draft, tok, ids0, exs[0].constraint, k, 8, temperature, 0)
+                run_one(c, model, draft, tok, ids0, exs[0].constraint, k, 8, temperature, 0, pack)
             agg = {c: {"tokens": 0, "passes": 0, "seconds": 0.0, "valid": 0} for c in configs}
             for i, ex in enumerate(exs):
                 ids = list(tok.encode(W.chat_prompt(ex.prompt), add_special_tokens=False))
                 for c in configs:
                     out, passes, wall = run_one(c, model, draft, tok, ids, ex.constraint, k, max_tokens, temperature,
-                                                1000 + i)
+                                                1000 + i, pack)
                     text = tok.decode([t for t in out if t not in tok.eos_token_ids])
                     a = agg[c]
                     a["tokens"] += len(out)
                     a["passes"] += passes
                     a["seconds"] += wall
                     a["valid"] += bool(out and out[-1] in tok.eos_token_ids and W.is_valid(w, text))
-            row = {"workload": w, "temperature": temperature, "n": n, "k": k}
+            row = {"workload": w, "temperature": temperature, "n": n, "k": k, "recipe": bool(pack)}
             for c in configs:
                 a = agg[c]
                 row[c] = {"tokens_per_pass": a["tokens"] / max(a["passes"], 1), "seconds": a["seconds"],
@@ -183,12 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--no-recipes", action="store_true", help="ours without the shipped recipe packs")
     ap.add_argument("--models", nargs=2, metavar=("TARGET", "DRAFT"), default=None,
                     help="model folders (default: the bundled tiny pair)")
     args = ap.parse_args(argv)
     print(f"BLAS: {preloaded() or 'reference (mlx wheel default; apt-get install -y libopenblas0-pthread)'}")
     t0 = time.perf_counter()
-    rows = run(args.n, args.k, args.max_tokens, args.temperatures, args.workloads, models=args.models)
+    rows = run(args.n, args.k, args.max_tokens, args.temperatures, args.workloads, models=args.models,
+               recipes=not args.no_recipes)
     print()
     print(table(rows))
     print(f"\n{time.perf_counter() - t0:.0f}s; command: python -m specgrammar_plugins.bench.mlx_host "
