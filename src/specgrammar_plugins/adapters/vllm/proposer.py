@@ -117,7 +117,8 @@ class GrammarProposer:
         self.model_config = vllm_config.model_config
         self.vocab_size = int(self.model_config.get_vocab_size())
         self.max_model_len = int(self.model_config.max_model_len)
-        self._tokinfo = None
+        self._tokinfo = None  # the model's tokenizer (drafters, recipe packs)
+        self._grammar_tok = None  # the same as vLLM's grammar backend reads it (matchers)
         self._tokinfos: dict[tuple, Any] = {}
         self._states: dict[str, _RequestState] = {}
         self._runner_ref = None
@@ -311,15 +312,38 @@ class GrammarProposer:
             hf = AutoTokenizer.from_pretrained(mc.tokenizer, revision=getattr(mc, "tokenizer_revision", None),
                                                trust_remote_code=bool(getattr(mc, "trust_remote_code", False)))
             self._tokinfo = TokenizerInfo.from_hf(hf, vocab_size=self.vocab_size)
+            self._grammar_tok = self._as_vllm_sees_it(hf, self._tokinfo)
         if not stop_ids:
-            return self._tokinfo
+            return self._grammar_tok
         key = (stop_ids, eos)
         tok = self._tokinfos.get(key)
         if tok is None:  # vLLM's grammar stops on the request's stop tokens (override_stop_tokens): so does ours
             first = eos if eos in stop_ids else stop_ids[0]
-            tok = self._tokinfos[key] = replace(self._tokinfo, eos_token_id=first,
+            tok = self._tokinfos[key] = replace(self._grammar_tok, eos_token_id=first,
                                                 stop_token_ids=tuple(dict.fromkeys([first, *stop_ids])))
         return tok
+
+    def _as_vllm_sees_it(self, hf, tok):
+        """The tokenizer as vLLM's xgrammar backend reads it (``xgr.TokenizerInfo.from_huggingface``,
+        backend_xgrammar.py:70): token bytes and special tokens from xgrammar's own view.  They can differ from
+        ours: xgrammar 0.2.8 finds no special tokens in a transformers-5 tokenizer whose specials are
+        ``added_tokens``, so vLLM lets ``<|im_start|>`` through as the text "<|im_start|>" inside JSON strings,
+        where our reading (specials never allowed) would refuse it.  Matching vLLM keeps draft and target on one
+        language.  Only for the xgrammar engine; others keep our reading."""
+        if self.engine != "xgrammar":
+            return tok
+        try:
+            import xgrammar as xgr
+
+            xi = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size)
+            decoded = xi.decoded_vocab
+            specials = frozenset(int(i) for i in xi.special_token_ids)
+            n = min(len(decoded), self.vocab_size)
+            token_bytes = tuple(b"" if i in specials else bytes(decoded[i]) for i in range(n))
+            return replace(tok, token_bytes=token_bytes, special_ids=specials)
+        except Exception as e:  # keep ours: at worst vLLM truncates a draft
+            log.warning("specgrammar: could not read the tokenizer as xgrammar does (%s); using ours", e)
+            return tok
 
     # ------------------------------------------------------------------ reading
     @property
