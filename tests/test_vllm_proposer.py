@@ -242,3 +242,23 @@ def test_output_law_at_positive_temperature_matches_plain(engines, law_plain, wh
     p = chi2_contingency(rows).pvalue
     print(json.dumps({"which": which, "categories": len(rows), "p": p, "drafted": drafted, "accepted": accepted}))
     assert p > 1e-3, (p, rows)
+
+
+def test_recipe_pack_per_request_stays_exact(engines):
+    """A shipped recipe pack named per request (``extra_args={"specgrammar": {"recipe": workload}}``) drafts behind
+    the forced tokens; greedy outputs stay equal to the plain engine's."""
+    from specgrammar_plugins.recipes import SHIPPED_DIR
+
+    if not (SHIPPED_DIR / "json_extraction.json").exists():
+        pytest.skip("no shipped recipe pack for json_extraction")
+    exs = W.examples("json_extraction", "eval", 3)
+    prompts = [W.chat_prompt(e.prompt) for e in exs]
+    plain = engines.plain.generate(prompts, [sampling_params(e.constraint, temperature=0.0, max_tokens=MAX_TOKENS)
+                                             for e in exs], use_tqdm=False)
+    before = dict(engines.proposer.sources)
+    params = [sampling_params(e.constraint, temperature=0.0, max_tokens=MAX_TOKENS,
+                              extra_args={"specgrammar": {"recipe": "json_extraction"}}) for e in exs]
+    spec = engines.spec.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(plain, spec):
+        assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids)
+    assert engines.proposer.sources.get("recipe", 0) > before.get("recipe", 0), "the pack drafted nothing"

@@ -5,6 +5,8 @@ Every configuration decodes the same prompts under the same structured outputs (
 
     plain        no speculation (the baseline, and the reference every greedy output is compared with)
     grammar      --speculative-config method=custom_class, GrammarProposer (forced tokens + jump-forward strings)
+    grammar_recipe  the same with the workload's shipped recipe pack behind the forced drafts (per request,
+                 ``extra_args={"specgrammar": {"recipe": <workload>}}``)
     grammar_model  the same with the tiny draft model behind the forced drafts (grammar-masked proposal law)
     ngram        method=ngram (prompt lookup, n in [1, 4])
     draft_model  method=draft_model with the tiny draft (grammar-blind drafts; vLLM truncates invalid ones)
@@ -28,7 +30,7 @@ import sys
 import tempfile
 from typing import Sequence
 
-METHODS = ("plain", "grammar", "grammar_model", "ngram", "draft_model")
+METHODS = ("plain", "grammar", "grammar_recipe", "grammar_model", "ngram", "draft_model")
 
 
 def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
@@ -41,7 +43,9 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     from ..models import tiny_path
 
     draft = str(tiny_path("draft"))
-    if method == "grammar_model":
+    if method == "grammar_recipe":
+        llm = make_llm(tiny_path("target"), method="grammar", k=k)
+    elif method == "grammar_model":
         llm = make_llm(tiny_path("target"), method="grammar", k=k, specgrammar={"draft_model": draft})
     else:
         llm = make_llm(tiny_path("target"), method=None if method == "plain" else method, k=k, draft_model=draft)
@@ -49,7 +53,9 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     for w in workloads:
         exs = W.examples(w, "eval", n)
         prompts = [W.chat_prompt(e.prompt) for e in exs]
-        params = [sampling_params(e.constraint, temperature=temperature, max_tokens=max_tokens) for e in exs]
+        extra = {"extra_args": {"specgrammar": {"recipe": w}}} if method == "grammar_recipe" else {}
+        params = [sampling_params(e.constraint, temperature=temperature, max_tokens=max_tokens, **extra)
+                  for e in exs]
         before = spec_metrics(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
         after = spec_metrics(llm)

@@ -23,7 +23,9 @@ target's randomness, but accepts only sum(r*q); the law must be the one the toke
 without structured outputs get no drafts.
 
 Options (``--additional-config '{"specgrammar": {...}}'``): ``drafters`` (default forced, recipe[, model]),
-``draft_model`` (a transformers folder sharing the target's tokenizer), ``recipe``, ``engine``, ``engine_options``.
+``draft_model`` (a transformers folder sharing the target's tokenizer), ``recipe`` (a pack file or shipped pack
+name), ``engine``, ``engine_options``.  Per request, ``SamplingParams(extra_args={"specgrammar": {"recipe": ...,
+"drafters": [...]}})`` overrides ``recipe`` and ``drafters``.
 
 Request state follows the runner's own: it is dropped as soon as a request leaves ``runner.requests`` (finished
 or aborted), checked at every ``propose`` call.
@@ -190,17 +192,20 @@ class GrammarProposer:
             runner = TorchRunner(self.draft_model, self.vocab_size)
         # the drafters see the model's tokenizer (recipe packs are fingerprinted against it), the matcher the
         # request's stop tokens
+        # per request: SamplingParams.extra_args["specgrammar"] = {"recipe": ..., "drafters": [...]} (the OpenAI
+        # server passes ``vllm_xargs`` there) over the engine-wide --additional-config options
+        req_opts = ((getattr(sp, "extra_args", None) or {}).get("specgrammar") or {})
+        options = {**self.options, **{k_: v for k_, v in req_opts.items() if k_ in ("recipe", "drafters")}}
+        names = tuple(options.get("drafters", self.drafter_names))
         ctx = DraftContext(tokenizer=self._tokinfo, params=core_params(sp), rng=self._rng, draft_runner=runner,
-                           target_vocab_size=self.vocab_size, recipe=self.options.get("recipe"),
-                           options=self.options)
+                           target_vocab_size=self.vocab_size, recipe=options.get("recipe"), options=options)
         try:
-            drafter = build_chain(self.drafter_names, ctx)
+            drafter = build_chain(names, ctx)
         except Exception as e:  # a missing/mismatched recipe pack, an unknown drafter: serve without them
-            names = [n for n in self.drafter_names if n in ("forced", "model")]
-            log.warning("specgrammar: drafters %s unavailable (%s: %s); using %s", list(self.drafter_names),
-                        type(e).__name__, e, names)
-            self.drafter_names = tuple(names)
-            drafter = build_chain(self.drafter_names, ctx)
+            names = tuple(n for n in names if n in ("forced", "model"))
+            log.warning("specgrammar: drafters unavailable for a request (%s: %s); using %s", type(e).__name__, e,
+                        list(names))
+            drafter = build_chain(names, ctx)
         if drafter is None:
             return _RequestState(None, None, prompt_len, stop_ids)
         st = _RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
