@@ -149,9 +149,10 @@ class RegularCost:
 
 # ------------------------------------------------------------------------------------------- CFG: an estimate
 class _Scan:
-    """Incremental scanner of JSON-ish text: open containers/strings and, per open object, keys seen."""
+    """Incremental scanner of JSON-ish text: open containers/strings, what is owed next (a value after ':' or an
+    array ',', a key after an object ',', the ':' after a key), and per open object the keys seen."""
 
-    __slots__ = ("stack", "in_str", "esc", "key_buf", "expect_key", "last_key")
+    __slots__ = ("stack", "in_str", "esc", "key_buf", "expect_key", "owed_value", "need_colon")
 
     def __init__(self):
         self.stack: list[list] = []  # [kind, keys_seen(set) or None]
@@ -159,12 +160,14 @@ class _Scan:
         self.esc = False
         self.key_buf: bytearray | None = None
         self.expect_key = False
-        self.last_key = None
+        self.owed_value = False
+        self.need_colon = False
 
     def copy(self) -> "_Scan":
-        c = _Scan()
+        c = _Scan.__new__(_Scan)
         c.stack = [[k, set(s) if s is not None else None] for k, s in self.stack]
-        c.in_str, c.esc, c.expect_key, c.last_key = self.in_str, self.esc, self.expect_key, self.last_key
+        c.in_str, c.esc, c.expect_key = self.in_str, self.esc, self.expect_key
+        c.owed_value, c.need_colon = self.owed_value, self.need_colon
         c.key_buf = bytearray(self.key_buf) if self.key_buf is not None else None
         return c
 
@@ -177,33 +180,45 @@ class _Scan:
                     self.esc = True
                 elif b == 0x22:
                     self.in_str = False
-                    if self.key_buf is not None and self.stack and self.stack[-1][0] == "{":
-                        self.stack[-1][1].add(self.key_buf.decode("utf-8", "replace"))
+                    if self.key_buf is not None:
+                        if self.stack and self.stack[-1][0] == "{":
+                            self.stack[-1][1].add(self.key_buf.decode("utf-8", "replace"))
+                        self.need_colon = True
                     self.key_buf = None
                 elif self.key_buf is not None:
                     self.key_buf.append(b)
+                continue
+            if b in (0x20, 0x0A, 0x0D, 0x09):
                 continue
             if b == 0x22:
                 self.in_str = True
                 self.key_buf = bytearray() if self.expect_key else None
                 self.expect_key = False
+                self.owed_value = False
             elif b in (0x7B, 0x5B, 0x28):  # { [ (
                 self.stack.append([chr(b), set() if b == 0x7B else None])
                 self.expect_key = b == 0x7B
+                self.owed_value = False
             elif b in (0x7D, 0x5D, 0x29):
                 if self.stack:
                     self.stack.pop()
-                self.expect_key = False
+                self.expect_key = self.owed_value = False
             elif b == 0x2C:  # ,
-                self.expect_key = bool(self.stack) and self.stack[-1][0] == "{"
-            elif b == 0x3A:
+                in_obj = bool(self.stack) and self.stack[-1][0] == "{"
+                self.expect_key = in_obj
+                self.owed_value = not in_obj
+            elif b == 0x3A:  # :
+                self.need_colon = False
                 self.expect_key = False
+                self.owed_value = True
+            else:  # a number/literal byte: the owed value is being given
+                self.owed_value = False
 
 
 class StructuralCost:
     """Estimated tokens to termination for JSON / CFG output: closers + missing required properties + stop."""
 
-    def __init__(self, tokenizer: TokenizerInfo, spec: ConstraintSpec | None = None, prop_cost: float = 3.0,
+    def __init__(self, tokenizer: TokenizerInfo, spec: ConstraintSpec | None = None, prop_cost: float = 5.0,
                  token_cost: np.ndarray | None = None):
         self.tok = tokenizer
         self.width = tokenizer.vocab_size
@@ -214,6 +229,18 @@ class StructuralCost:
             schema = spec.schema
             if isinstance(schema, dict):
                 self.required = list(schema.get("required", []))
+                branches = schema.get("anyOf") or schema.get("oneOf")
+                if not self.required and isinstance(branches, list) and branches:
+                    # a choice of object shapes: the properties every branch requires (a lower bound)
+                    reqs = [set(b.get("required", [])) if isinstance(b, dict) else set() for b in branches]
+                    common = set.intersection(*reqs)
+                    first = branches[0].get("required", []) if isinstance(branches[0], dict) else []
+                    self.required = [k for k in first if k in common]
+        # a missing property costs at least what its cheapest spelling takes in this tokenizer: , "key": ""
+        enc = tokenizer.encode
+        self._enc_cache: dict[str, int] = {}
+        self.key_cost = {k: max(prop_cost, float(self._ntok(f', "{k}": ""'))) if enc else prop_cost
+                         for k in self.required}
         structural = set(b'{}[]()",:\\')
         self.struct_ids = np.array([i for i, b in enumerate(tokenizer.token_bytes) if any(c in structural for c in b)],
                                    dtype=np.int64)
@@ -242,14 +269,43 @@ class StructuralCost:
         return self._scans[-1]
 
     def _j(self, sc: _Scan, ended: bool, started: bool) -> float:
+        """1 (stop) + one closer per open container/string + the ':' and the value owed after a key + 2 per owed
+        value (the cheapest value may take two tokens, '""') + ``prop_cost`` (quote, quote, ':', value) per
+        property still owed: one after an object ',', and each required top-level property not begun.  Whitespace
+        changes nothing, so it is never on a shortest way."""
         if ended:
             return 0.0
+        key_in_progress = sc.in_str and sc.key_buf is not None
         j = 1.0 + len(sc.stack) + (1.0 if sc.in_str else 0.0)
-        if not started:  # nothing yet: the top-level object still to open and fill
-            return j + 2.0 + self.prop_cost * len(self.required)
+        if sc.need_colon or key_in_progress:
+            j += 3.0  # ':' then a value
+        elif sc.owed_value:
+            j += 2.0
+        owed_key = sc.expect_key and bool(sc.stack) and len(sc.stack[-1][1] or ()) > 0
+        if owed_key:
+            j += self.prop_cost
+        if not started:  # nothing yet: the top-level value still to open and fill
+            return j + 2.0 + sum(self.key_cost.values())
         if sc.stack and sc.stack[0][0] == "{" and self.required:
-            j += self.prop_cost * sum(1 for k in self.required if k not in sc.stack[0][1])
+            missing = [k for k in self.required if k not in sc.stack[0][1]]
+            if len(sc.stack) == 1 and key_in_progress:
+                prefix = bytes(sc.key_buf).decode("utf-8", "replace")
+                cand = [k for k in missing if k.startswith(prefix)]
+                if cand:  # the key being written is one of them: what is left of its name
+                    missing.remove(cand[0])
+                    rest = cand[0][len(prefix):]
+                    j += self._ntok(rest) if rest else 0.0
+            elif len(sc.stack) == 1 and owed_key and missing:
+                j += self.key_cost[missing.pop(0)] - self.prop_cost  # the owed key is one of them
+            j += sum(self.key_cost[k] for k in missing)
         return j
+
+    def _ntok(self, text: str) -> float:
+        n = self._enc_cache.get(text)
+        if n is None:
+            n = len(self.tok.encode(text)) if self.tok.encode is not None else max(1, len(text) // 3)
+            self._enc_cache[text] = n
+        return float(n)
 
     def cost_to_go(self, generated: Sequence[int]) -> float:
         sc = self._sync(generated)
@@ -330,7 +386,8 @@ class Tilt:
                 j = self._j0
             w = max(0.0, (len(h) + j - self._j0) / max(1, len(h)))
             c_hat = len(h) + j * (1.0 + w)
-            lam = min(self.lam_max, max(0.0, self._lams[-1] + self.eta * (c_hat - self.budget)))
+            # the budget counts the stop token too: aim one under it
+            lam = min(self.lam_max, max(0.0, self._lams[-1] + self.eta * (c_hat - (self.budget - 1))))
             self._lams.append(lam)
             self.max_lam = max(self.max_lam, lam)
         return self._lams[len(generated)]

@@ -111,7 +111,7 @@ def _regular_cost(compiled, token_cost=None):
     return RegularCost(compiled.spec, compiled.tokenizer, token_cost)
 
 
-def _structural_cost(compiled, token_cost=None, prop_cost=3.0):
+def _structural_cost(compiled, token_cost=None, prop_cost=5.0):
     from .cost import StructuralCost
 
     return StructuralCost(compiled.tokenizer, compiled.spec, prop_cost=prop_cost, token_cost=token_cost)
