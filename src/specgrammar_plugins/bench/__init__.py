@@ -7,6 +7,7 @@ import sys
 BENCHMARKS = {
     "masks": "grammar engines: compile ms, per-token mask us, k-token draft masks, our overhead",
     "coverage": "JSON Schema / GBNF coverage on MaskBench and llama.cpp grammars per engine and policy",
+    "cost": "cost-aware laws: complete+valid within a budget below typical length, untilted vs adaptive lambda",
     "mlx_host": "mlx-lm: our loop vs mlx-lm constrained and mlx-lm's own speculative loop",
     "llama_cpp_host": "llama-cpp-python: our Llama vs stock Llama (no drafting / blind draft_model)",
     "vllm_host": "vLLM: our proposer vs ngram and draft_model under the same structured outputs",
