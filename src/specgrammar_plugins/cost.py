@@ -32,6 +32,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from .constraint import CompiledConstraint, ConstraintSpec, compile_constraint
+from .processor import common_prefix_len
 from .tokenizer import TokenizerInfo
 
 INF = float("inf")
@@ -103,10 +104,7 @@ class RegularCost:
 
     def _state(self, generated: Sequence[int]) -> tuple | None:
         fed = self._fed
-        n = min(len(fed), len(generated))
-        lcp = 0
-        while lcp < n and fed[lcp] == generated[lcp]:
-            lcp += 1
+        lcp = common_prefix_len(fed, generated)
         del fed[lcp:]
         del self._hist[lcp + 1:]
         for t in generated[lcp:]:
@@ -251,10 +249,7 @@ class StructuralCost:
 
     def _sync(self, generated: Sequence[int]) -> _Scan:
         fed = self._fed
-        n = min(len(fed), len(generated))
-        lcp = 0
-        while lcp < n and fed[lcp] == generated[lcp]:
-            lcp += 1
+        lcp = common_prefix_len(fed, generated)
         del fed[lcp:]
         del self._scans[lcp + 1:]
         del self._ended[lcp + 1:]
@@ -370,10 +365,7 @@ class Tilt:
         if not self.adaptive:
             return self.lam0
         fed = self._fed
-        n = min(len(fed), len(generated))
-        lcp = 0
-        while lcp < n and fed[lcp] == generated[lcp]:
-            lcp += 1
+        lcp = common_prefix_len(fed, generated)
         del fed[lcp:]
         del self._lams[lcp + 1:]
         if self._j0 is None:

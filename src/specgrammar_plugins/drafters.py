@@ -21,6 +21,7 @@ import numpy as np
 
 from .constraint import Matcher, full_mask, mask_allows, new_mask
 from .distributions import SamplingParams, log_law, sample
+from .processor import common_prefix_len
 
 
 class ModelRunner(Protocol):
@@ -198,10 +199,7 @@ class ModelDrafter:
 
     def _logits(self, seq: Sequence[int]) -> np.ndarray:
         fed = self.runner.tokens
-        n = min(len(fed), len(seq))
-        lcp = 0
-        while lcp < n and fed[lcp] == seq[lcp]:
-            lcp += 1
+        lcp = common_prefix_len(fed, seq)
         if lcp == len(seq) == len(fed) and self._last is not None:
             return self._last
         if lcp == len(seq):

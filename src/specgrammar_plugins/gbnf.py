@@ -1,6 +1,6 @@
 """GBNF (llama.cpp dialect) normalization, so llama.cpp's own grammars compile and run fast on every engine.
 
-- ``fill_empty_alternatives`` (in the xgrammar engine): ``x ::= a |`` -> ``x ::= a | ""`` (xgrammar's parser wants
+- ``fill_empty_alternatives``: ``x ::= a |`` -> ``x ::= a | ""`` (xgrammar's parser wants
   an element where llama.cpp reads the empty string).
 - ``rewrite_class_star``: ``( [^"\\] | "\\" escape )*`` -> ``( [^"\\]* ( ( "\\" escape ) [^"\\]* )* )``.  The
   same language ((a|b)* = a*(b a*)*), but the character-class repetition becomes a plain class star, which
@@ -9,6 +9,8 @@ Comments are dropped by the rewrite (they carry no meaning).
 """
 
 from __future__ import annotations
+
+import re
 
 
 def _skip_literal(text: str, i: int) -> int:
@@ -118,8 +120,68 @@ def _rewrite(text: str) -> str:
     return "".join(out)
 
 
+_NAME = re.compile(r"[A-Za-z0-9_-]+")
+_RULE_START = re.compile(r"[A-Za-z0-9_-]+[ \t]*(?:\r?\n[ \t]*)*::=")
+
+
+def fill_empty_alternatives(gbnf: str) -> str:
+    """Rewrite empty alternatives / groups of llama.cpp GBNF (``x ::= a |``, ``( | b)``, ``()``) to ``""``.
+
+    llama.cpp reads an empty alternative as the empty string; xgrammar's parser wants an element there.  The scan
+    skips string literals, character classes and comments, so ``"|"`` or ``[|]`` are left alone.
+    """
+    out: list[str] = []
+    pending: int | None = None  # index in ``out`` after which an element is still owed
+    i, n = 0, len(gbnf)
+    while i < n:
+        c = gbnf[i]
+        if c == '"' or c == "[":
+            j = _skip_literal(gbnf, i)
+            out.append(gbnf[i:j])
+            pending = None
+            i = j
+        elif c == "#":
+            j = gbnf.find("\n", i)
+            j = n if j < 0 else j
+            out.append(gbnf[i:j])
+            i = j
+        elif gbnf.startswith("::=", i):
+            out.append("::=")
+            pending = len(out) - 1
+            i += 3
+        elif c in "|(":
+            if c == "|" and pending is not None:
+                out.insert(pending + 1, ' ""')
+            out.append(c)
+            pending = len(out) - 1
+            i += 1
+        elif c == ")":
+            if pending is not None:
+                out.insert(pending + 1, ' ""')
+            out.append(c)
+            pending = None
+            i += 1
+        elif _NAME.match(gbnf, i):
+            m = _NAME.match(gbnf, i)
+            if _RULE_START.match(gbnf, i) and pending is not None:
+                out.insert(pending + 1, ' ""')
+                pending = None
+            elif not _RULE_START.match(gbnf, i):
+                pending = None
+            out.append(m.group())
+            i = m.end()
+        elif c == ".":
+            out.append(c)
+            pending = None
+            i += 1
+        else:
+            out.append(c)
+            i += 1
+    if pending is not None:
+        out.insert(pending + 1, ' ""')
+    return "".join(out)
+
+
 def normalize_gbnf(text: str) -> str:
     """Both rewrites; the language is unchanged (tests/test_gbnf.py checks it on samples)."""
-    from .engines.xgrammar_engine import fill_empty_alternatives
-
     return fill_empty_alternatives(rewrite_class_star(text))

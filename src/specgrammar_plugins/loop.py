@@ -22,6 +22,7 @@ from .constraint import CompiledConstraint, Matcher
 from .distributions import SamplingParams, log_law
 from .drafters import DraftBlock, Drafter, ModelRunner
 from .errors import ConstraintError
+from .processor import common_prefix_len
 from .verify import verify_block
 
 
@@ -136,10 +137,7 @@ class SpeculativeLoop:
         """Bring the target cache to prompt[:-1], reusing any common prefix it already holds."""
         want = self.prompt[:-1]
         have = list(self.target.tokens)
-        lcp = 0
-        n = min(len(have), len(want))
-        while lcp < n and have[lcp] == want[lcp]:
-            lcp += 1
+        lcp = common_prefix_len(have, want)
         if len(have) > lcp:
             self.target.trim(len(have) - lcp)
         if len(want) > lcp:

@@ -17,6 +17,15 @@ import numpy as np
 from .constraint import CompiledConstraint, full_mask, new_mask, set_bit
 
 
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences (how far a history-keyed state is still valid)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 class HistoryMatcher:
     def __init__(self, compiled: CompiledConstraint):
         self.compiled = compiled
@@ -30,10 +39,7 @@ class HistoryMatcher:
         """Bring the matcher to ``generated``; False if the history holds a token the grammar rejects (the matcher
         then stands at the longest valid prefix)."""
         fed = self.fed
-        n = min(len(fed), len(generated))
-        lcp = 0
-        while lcp < n and fed[lcp] == generated[lcp]:
-            lcp += 1
+        lcp = common_prefix_len(fed, generated)
         if len(fed) > lcp:
             self.matcher.rollback(len(fed) - lcp)
             del fed[lcp:]

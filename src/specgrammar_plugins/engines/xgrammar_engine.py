@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import numpy as np
 
 from ..constraint import CompiledConstraint, ConstraintSpec, Forced, mask_words
 from ..errors import ConstraintError
+from ..gbnf import fill_empty_alternatives, normalize_gbnf  # noqa: F401  (re-exported)
 from ..tokenizer import TokenizerInfo
 from ._common import (
     PerTokenizerCache, StepBook, ascii_shorthands, clear_past, engine_words, forced_from_masks, no_start_error,
@@ -35,83 +35,6 @@ def _build_compiler(tok: TokenizerInfo):
 
 
 _COMPILERS = PerTokenizerCache(_build_compiler)
-
-
-# ---------------------------------------------------------------------------------------------- GBNF fix-up
-_NAME = re.compile(r"[A-Za-z0-9_-]+")
-_RULE_START = re.compile(r"[A-Za-z0-9_-]+[ \t]*(?:\r?\n[ \t]*)*::=")
-
-
-def _skip_quoted(text: str, i: int, close: str) -> int:
-    """Index just past the literal starting at ``text[i]`` (a ``"`` string or a ``[`` class), escapes honoured."""
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == close:
-            return j + 1
-        j += 1
-    return j
-
-
-def fill_empty_alternatives(gbnf: str) -> str:
-    """Rewrite empty alternatives / groups of llama.cpp GBNF (``x ::= a |``, ``( | b)``, ``()``) to ``""``.
-
-    llama.cpp reads an empty alternative as the empty string; xgrammar's parser wants an element there.  The scan
-    skips string literals, character classes and comments, so ``"|"`` or ``[|]`` are left alone.
-    """
-    out: list[str] = []
-    pending: int | None = None  # index in ``out`` after which an element is still owed
-    i, n = 0, len(gbnf)
-    while i < n:
-        c = gbnf[i]
-        if c == '"' or c == "[":
-            j = _skip_quoted(gbnf, i, '"' if c == '"' else "]")
-            out.append(gbnf[i:j])
-            pending = None
-            i = j
-        elif c == "#":
-            j = gbnf.find("\n", i)
-            j = n if j < 0 else j
-            out.append(gbnf[i:j])
-            i = j
-        elif gbnf.startswith("::=", i):
-            out.append("::=")
-            pending = len(out) - 1
-            i += 3
-        elif c in "|(":
-            if c == "|" and pending is not None:
-                out.insert(pending + 1, ' ""')
-            out.append(c)
-            pending = len(out) - 1
-            i += 1
-        elif c == ")":
-            if pending is not None:
-                out.insert(pending + 1, ' ""')
-            out.append(c)
-            pending = None
-            i += 1
-        elif _NAME.match(gbnf, i):
-            m = _NAME.match(gbnf, i)
-            if _RULE_START.match(gbnf, i) and pending is not None:
-                out.insert(pending + 1, ' ""')
-                pending = None
-            elif not _RULE_START.match(gbnf, i):
-                pending = None
-            out.append(m.group())
-            i = m.end()
-        elif c == ".":
-            out.append(c)
-            pending = None
-            i += 1
-        else:
-            out.append(c)
-            i += 1
-    if pending is not None:
-        out.insert(pending + 1, ' ""')
-    return "".join(out)
 
 
 # ---------------------------------------------------------------------------------------------- engine
@@ -147,8 +70,6 @@ class XGrammarEngine:
             elif spec.syntax == "lark":
                 cg = comp.compile_lark(spec.value)
             elif spec.syntax == "gbnf":
-                from ..gbnf import normalize_gbnf  # empty alternatives + fast string bodies
-
                 cg = comp.compile_grammar(normalize_gbnf(spec.value), root_rule_name="root")
             else:  # ebnf: xgrammar's own EBNF dialect
                 cg = comp.compile_grammar(spec.value, root_rule_name=options.get("root_rule", "root"))
