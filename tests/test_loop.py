@@ -255,3 +255,24 @@ def test_width_mismatch_is_refused(toy_tok):
     c = compile_constraint(ConstraintSpec.regex("[0-9]+"), toy_tok, engine="dfa")
     with pytest.raises(ConstraintError, match="with_vocab_size"):
         SpeculativeLoop(MarkovRunner(toy_tok.vocab_size + 64), [1], constraint=c)
+
+
+def test_online_suffix_drafter_learns_from_finished_requests(toy_tok):
+    """The loop tells its drafter each finished request: a repeated request is then drafted from the online
+    suffix index, and the output is unchanged."""
+    from specgrammar_plugins.drafters import DraftContext, build_chain
+    from specgrammar_plugins.recipes import SuffixIndex
+
+    c = compile_constraint(ConstraintSpec.regex(r"[a-z]{3,12}@[a-z]{3,12}\.com"), toy_tok, engine="dfa")
+    index = SuffixIndex()
+    outs, stats = [], []
+    for _ in range(2):
+        drafter = build_chain(["suffix"], DraftContext(tokenizer=toy_tok, options={"suffix_index": index}))
+        target = MarkovRunner(toy_tok.vocab_size, seed=8, valid=len(toy_tok.token_bytes))
+        out, st = generate(target, toy_tok.encode("ex"), constraint=c, drafter=drafter, k=6, params=GREEDY,
+                           max_tokens=30, seed=0)
+        outs.append(out)
+        stats.append(st)
+    assert outs[0] == outs[1]
+    assert stats[0].accepted_by_source.get("suffix", 0) == 0
+    assert stats[1].accepted_by_source.get("suffix", 0) > 0 and stats[1].target_passes < stats[0].target_passes

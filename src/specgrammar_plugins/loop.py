@@ -20,7 +20,7 @@ import numpy as np
 
 from .constraint import CompiledConstraint, Matcher
 from .distributions import SamplingParams, log_law
-from .drafters import DraftBlock, Drafter, ModelRunner
+from .drafters import DraftBlock, Drafter, ModelRunner, observe
 from .errors import ConstraintError
 from .processor import common_prefix_len
 from .verify import verify_block
@@ -206,6 +206,8 @@ class SpeculativeLoop:
                     self.finish_reason = self.stats.finish_reason = c.finish_reason
                 yield c
                 if c.finish_reason is not None:
+                    # learning drafters (the online suffix index, recipe miss logs) see every finished request
+                    observe(self.drafter, [*self.prompt, *self.emitted], len(self.prompt))
                     return
         finally:
             self.stats.wall_s = time.perf_counter() - t0
