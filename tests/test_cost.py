@@ -13,10 +13,9 @@ from scipy import stats
 from specgrammar_plugins import ConstraintSpec, SamplingParams, compile_constraint
 from specgrammar_plugins.constraint import new_mask
 from specgrammar_plugins.cost import RegularCost, StructuralCost, Tilt, make_tilt
-from specgrammar_plugins.distributions import GREEDY, log_law
 from specgrammar_plugins.drafters import ChainDrafter, ForcedDrafter, ModelDrafter
 from specgrammar_plugins.loop import generate
-from specgrammar_plugins.testing import MarkovRunner, plain_decode
+from specgrammar_plugins.testing import MarkovRunner, exact_law
 
 
 def _brute_force_j(tok, compiled, prefix, limit=12):
@@ -85,28 +84,6 @@ def test_regular_j_matches_brute_force(toy_tok, pattern, walk_seed):
         prefix.append(t)
 
 
-def _exact_tilted_law(tok, compiled, prompt, params, tilt, max_tokens, seed):
-    runner = MarkovRunner(tok.vocab_size, seed=seed, valid=len(tok.token_bytes))
-    row = new_mask(tok.vocab_size)
-    out = {}
-
-    def rec(gen, m, prob):
-        if len(gen) >= max_tokens or m.is_terminated():
-            out[tuple(gen)] = out.get(tuple(gen), 0.0) + prob
-            return
-        runner.trim(len(runner.tokens))
-        logits = runner.forward(list(prompt) + gen, logits_for=1)[-1]
-        m.fill_mask(row)
-        p = np.exp(log_law(logits, row, params, tilt(gen, m)))
-        for t in np.flatnonzero(p > 0):
-            m2 = m.fork()
-            assert m2.accept(int(t))
-            rec(gen + [int(t)], m2, prob * p[t])
-
-    rec([], compiled.matcher(), 1.0)
-    return out
-
-
 @pytest.mark.parametrize("lam,adaptive", [(0.8, False), (0.0, True)])
 def test_verifier_samples_q_lambda_exactly(toy_tok, lam, adaptive):
     """Whole outputs of the speculative loop under a tilt (fixed lambda, or the adaptive controller) follow the
@@ -119,7 +96,8 @@ def test_verifier_samples_q_lambda_exactly(toy_tok, lam, adaptive):
     def new_tilt():
         return Tilt(RegularCost(spec, toy_tok), lam=lam, adaptive=adaptive, budget=4 if adaptive else None, eta=1.0)
 
-    law = _exact_tilted_law(toy_tok, c, prompt, params, new_tilt(), 6, seed=9)
+    law = exact_law(MarkovRunner(toy_tok.vocab_size, seed=9, valid=len(toy_tok.token_bytes)), prompt, c, params, 6,
+                    new_tilt())
     assert abs(sum(law.values()) - 1) < 1e-9
     N = 3000
     rng = np.random.default_rng(zlib.crc32(f"{lam}{adaptive}".encode()))

@@ -11,10 +11,10 @@ from scipy import stats
 from conftest import available_engines
 from specgrammar_plugins import ConstraintError, ConstraintSpec, SamplingParams, TokenizerMismatchError, compile_constraint
 from specgrammar_plugins.constraint import new_mask, unpack_mask
-from specgrammar_plugins.distributions import GREEDY, log_law
+from specgrammar_plugins.distributions import GREEDY
 from specgrammar_plugins.drafters import ChainDrafter, ForcedDrafter, ModelDrafter
 from specgrammar_plugins.loop import SpeculativeLoop, generate
-from specgrammar_plugins.testing import MarkovRunner, plain_decode
+from specgrammar_plugins.testing import MarkovRunner, exact_law, plain_decode
 
 ENGINES = [e for e in available_engines()]
 REGEXES = [r"[a-z]+@[a-z]+\.com", r"[0-9]{4}", r"[A-Z]{3}-[0-9]{4}", r"(ab|ba)+(\.com)?"]
@@ -71,32 +71,6 @@ def test_matcher_follows_committed_prefix(toy_tok):
     assert sum(loop.stats.drafted_by_pos) == loop.stats.drafted
 
 
-def _exact_law(tok, compiled, prompt, params, max_tokens, seed):
-    """Enumerate every output of plain constrained sampling with its exact probability."""
-    runner = MarkovRunner(tok.vocab_size, seed=seed, valid=len(tok.token_bytes))
-    row = new_mask(tok.vocab_size)
-    out = {}
-
-    def rec(seq, m, prob):
-        if len(seq) - len(prompt) >= max_tokens or m.is_terminated():
-            out[tuple(seq[len(prompt):])] = out.get(tuple(seq[len(prompt):]), 0.0) + prob
-            return
-        runner.trim(len(runner.tokens))
-        logits = runner.forward(seq, logits_for=1)[-1]
-        m.fill_mask(row)
-        p = np.exp(log_law(logits, row, params))
-        for t in np.flatnonzero(p > 0):
-            m2 = m.fork()
-            assert m2.accept(int(t))
-            if int(t) in tok.stop_token_ids:
-                out[tuple(seq[len(prompt):]) + (int(t),)] = out.get(tuple(seq[len(prompt):]) + (int(t),), 0) + prob * p[t]
-            else:
-                rec(seq + [int(t)], m2, prob * p[t])
-
-    rec(list(prompt), compiled.matcher(), 1.0)
-    return out
-
-
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 @pytest.mark.parametrize("k", [2, 5])
 def test_loop_law_matches_plain_constrained_sampling(toy_tok, temperature, k):
@@ -105,7 +79,7 @@ def test_loop_law_matches_plain_constrained_sampling(toy_tok, temperature, k):
     c = compile_constraint(ConstraintSpec.regex(r"(a|b|ab)(a|ba)?-[0-9]"), toy_tok, engine="dfa")
     prompt = toy_tok.encode("ab")
     params = SamplingParams(temperature=temperature)
-    law = _exact_law(toy_tok, c, prompt, params, 8, seed=5)
+    law = exact_law(MarkovRunner(toy_tok.vocab_size, seed=5, valid=len(toy_tok.token_bytes)), prompt, c, params, 8)
     assert abs(sum(law.values()) - 1) < 1e-9
     N = 4000
     rng = np.random.default_rng(zlib.crc32(f"{temperature}-{k}".encode()))

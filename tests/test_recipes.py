@@ -12,15 +12,14 @@ from scipy import stats
 
 from conftest import available_engines
 from specgrammar_plugins import ConstraintSpec, SamplingParams, compile_constraint
-from specgrammar_plugins.constraint import new_mask
-from specgrammar_plugins.distributions import GREEDY, log_law
+from specgrammar_plugins.distributions import GREEDY
 from specgrammar_plugins.drafters import (ChainDrafter, DraftContext, ForcedDrafter, ModelDrafter, RecipeDrafter,
                                           SuffixDrafter, build_chain, observe)
 from specgrammar_plugins.loop import SpeculativeLoop, generate
 from specgrammar_plugins.recipes import (ALPHA, NUM, MissLog, Recipe, RecipePack, RecipePackError, Sample,
                                          SuffixIndex, benchmark_lookup, build, class_table, load_pack, merge, sample,
                                          shape_of)
-from specgrammar_plugins.testing import MarkovRunner, plain_decode, toy_tokenizer
+from specgrammar_plugins.testing import MarkovRunner, exact_law, plain_decode
 
 ENGINES = available_engines()
 RECORD = r'\{"id": [0-9]+, "name": "[a-z]+"\}'
@@ -277,32 +276,6 @@ def test_recipes_save_passes_on_their_own_workload(toy_pack, toy_tok):
     assert st.accepted_by_source.get("recipe", 0) > 0 and st.target_passes < len(out)
 
 
-def _exact_law(tok, compiled, prompt, params, max_tokens, seed, scale):
-    runner = _runner(tok, seed, scale)
-    row = new_mask(tok.vocab_size)
-    out: dict = {}
-
-    def rec(seq, m, prob):
-        done = tuple(seq[len(prompt):])
-        if len(done) >= max_tokens or m.is_terminated():
-            out[done] = out.get(done, 0.0) + prob
-            return
-        runner.trim(len(runner.tokens))
-        logits = runner.forward(seq, logits_for=1)[-1]
-        m.fill_mask(row)
-        p = np.exp(log_law(logits, row, params))
-        for t in np.flatnonzero(p > 0):
-            m2 = m.fork()
-            assert m2.accept(int(t))
-            if int(t) in tok.stop_token_ids:
-                out[done + (int(t),)] = out.get(done + (int(t),), 0.0) + prob * p[t]
-            else:
-                rec(seq + [int(t)], m2, prob * p[t])
-
-    rec(list(prompt), compiled.matcher(), 1.0)
-    return out
-
-
 @pytest.mark.parametrize("temperature", [0.8, 1.3])
 def test_law_with_recipes_matches_plain_sampling(toy_tok, temperature):
     """The output law with recipe drafts (a pack built from this model's own samples, so its runs are often
@@ -312,7 +285,7 @@ def test_law_with_recipes_matches_plain_sampling(toy_tok, temperature):
     c = compile_constraint(ConstraintSpec.regex(r"(a|b|ab)(a|ba)?-[0-9]"), tok, engine="dfa")
     prompt = tok.encode("ab")
     params = SamplingParams(temperature=temperature)
-    law = _exact_law(tok, c, prompt, params, 8, seed=5, scale=2.0)
+    law = exact_law(_runner(tok, 5, 2.0), prompt, c, params, 8)
     assert abs(sum(law.values()) - 1) < 1e-9
     rng = np.random.default_rng(zlib.crc32(f"recipes-{temperature}".encode()))
     target = _runner(tok, 5, 2.0)

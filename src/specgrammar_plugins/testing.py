@@ -89,6 +89,33 @@ def plain_decode(runner: MarkovRunner, prompt: Sequence[int], matcher, params, m
     return out
 
 
+def exact_law(runner, prompt: Sequence[int], compiled, params, max_tokens: int, tilt_fn=None) -> dict:
+    """Every output of plain constrained sampling (one fresh forward per token, no speculation) with its exact
+    probability: {output token tuple (stop token included when generated): probability}.  ``tilt_fn(generated,
+    matcher)`` gives the cost tilt, as in the loop.  Only for small vocabularies and short outputs."""
+    from .constraint import new_mask
+    from .distributions import log_law
+
+    row = new_mask(runner.vocab_size)
+    out: dict = {}
+
+    def rec(gen, m, prob):
+        if len(gen) >= max_tokens or m.is_terminated():
+            out[tuple(gen)] = out.get(tuple(gen), 0.0) + prob
+            return
+        runner.trim(len(runner.tokens))
+        logits = runner.forward(list(prompt) + gen, logits_for=1)[-1]
+        m.fill_mask(row)
+        p = np.exp(log_law(logits, row, params, None if tilt_fn is None else tilt_fn(gen, m)))
+        for t in np.flatnonzero(p > 0):
+            m2 = m.fork()
+            assert m2.accept(int(t))
+            rec(gen + [int(t)], m2, prob * p[t])
+
+    rec([], compiled.matcher(), 1.0)
+    return out
+
+
 def toy_tokenizer(vocab_size: int = 128):
     """A small byte-level vocabulary with multi-byte tokens (for core tests that need no tokenizer files).
 
