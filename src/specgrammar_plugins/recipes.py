@@ -597,7 +597,6 @@ def sample(runner, tokenizer, examples, *, k: int = 4, temperature: float = 1.0,
         raise ValueError("the tokenizer has no encode function")
     params = SamplingParams(temperature=temperature)
     rng = np.random.default_rng(seed)
-    compiled: dict = {}
     out: list[Sample] = []
     from .drafters import ChainDrafter, ForcedDrafter, RecipeDrafter
 
@@ -609,11 +608,7 @@ def sample(runner, tokenizer, examples, *, k: int = 4, temperature: float = 1.0,
             pack = build(out, tokenizer, **(build_kw or {}))
             next_build *= 2
         spec = getattr(ex, "constraint", None)
-        c = None
-        if spec is not None:
-            c = compiled.get(spec.key())
-            if c is None:
-                c = compiled[spec.key()] = compile_constraint(spec, tokenizer, engine=engine)
+        c = None if spec is None else compile_constraint(spec, tokenizer, engine=engine)  # compiled once: cached
         prompt = tuple(tokenizer.encode(prompt_fn(ex.prompt)))
         for _ in range(k):
             drafter = None
@@ -841,16 +836,11 @@ def evaluate(runner, tokenizer, examples, *, pack=None, drafters: Sequence[str] 
     params = SamplingParams(temperature=temperature)
     rng = np.random.default_rng(seed)
     tot = Stats()
-    compiled: dict = {}
     same = 0
     wall = 0.0
     for ex in examples:
         spec = getattr(ex, "constraint", None)
-        c = None
-        if spec is not None:
-            c = compiled.get(spec.key())
-            if c is None:
-                c = compiled[spec.key()] = compile_constraint(spec, tokenizer, engine=engine)
+        c = None if spec is None else compile_constraint(spec, tokenizer, engine=engine)  # compiled once: cached
         prompt = tokenizer.encode(prompt_fn(ex.prompt))
         opts = {"suffix_index": suffix_index} if suffix_index is not None else {}
         ctx = DraftContext(tokenizer=tokenizer, params=params, rng=rng, recipe=pack, options=opts)
