@@ -1,5 +1,7 @@
-"""Benchmarks: ``masks`` (grammar engines: compile, per-token masks, draft masks, our overhead) and the host
-benchmarks (``mlx_host``, ``llama_cpp_host``, ``vllm_host``).  Each module has a ``main(argv) -> int``."""
+"""Benchmarks: ``masks`` (grammar engines: compile, per-token masks, draft masks, our overhead), ``strategies``
+(the Onyx tables: six decoding strategies per host and workload), and the host benchmarks (``mlx_host``,
+``llama_cpp_host``, ``vllm_host``).  Each module has a ``main(argv) -> int``; ``_report`` holds what they share
+(``--out-dir`` with JSON + PNG, ``--quick``, progress bar)."""
 
 import importlib
 import sys
@@ -8,6 +10,7 @@ BENCHMARKS = {
     "masks": "grammar engines: compile ms, per-token mask us, k-token draft masks, our overhead",
     "coverage": "JSON Schema / GBNF coverage on MaskBench and llama.cpp grammars per engine and policy",
     "cost": "cost-aware laws: complete+valid within a budget below typical length, untilted vs adaptive lambda",
+    "strategies": "baseline / blind draft / aware draft / forced / recipe / full chain per host and workload",
     "mlx_host": "mlx-lm: our loop vs mlx-lm constrained and mlx-lm's own speculative loop",
     "llama_cpp_host": "llama-cpp-python: our Llama vs stock Llama (no drafting / blind draft_model)",
     "vllm_host": "vLLM: our proposer vs ngram and draft_model under the same structured outputs",

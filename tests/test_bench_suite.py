@@ -1,0 +1,72 @@
+"""Every ``specgrammar bench NAME --quick`` completes, writes its JSON (and PNG) and reports finite numbers.
+
+Smoke tests only: no figure and no speed is asserted (speed is measured by the benchmarks, not by tests).  Each
+runs as its own process through the ``specgrammar`` entry point, as a user would (benchmarks re-execute themselves
+with OpenBLAS preloaded, which must not happen inside pytest)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specgrammar_plugins.bench._report import finite_numbers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _have(*mods: str) -> None:
+    for m in mods:
+        pytest.importorskip(m)
+
+
+def _tiny(*names: str) -> None:
+    from specgrammar_plugins.models import tiny_gguf, tiny_path
+
+    for n in names:
+        p = tiny_gguf(n[:-5]) if n.endswith(".gguf") else tiny_path(n)
+        if not Path(p).exists():
+            pytest.skip(f"the bundled tiny model {p} is absent")
+
+
+def bench(tmp_path: Path, name: str, *args: str, png: bool = True) -> dict:
+    out = tmp_path / name
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-m", "specgrammar_plugins.cli", "bench", name, "--quick",
+                           "--no-progress", "--out-dir", str(out), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((out / f"{name}.json").read_text())
+    if png:
+        import matplotlib  # noqa: F401  (the plot is written when matplotlib is installed: a dev dependency)
+
+        assert (out / f"{name}.png").stat().st_size > 1000
+    assert doc["benchmark"] == name and doc["machine"]["nproc"] >= 1
+    doc["_stdout"] = proc.stdout
+    return doc
+
+
+def _finite(rows, keys) -> None:
+    assert rows
+    for r in rows:
+        for k in keys:
+            assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (k, r)
+
+
+def test_strategies_quick(tmp_path):
+    _have("mlx_lm", "llama_cpp", "matplotlib")
+    _tiny("target", "draft", "target.gguf", "draft.gguf")
+    doc = bench(tmp_path, "strategies")
+    rows = doc["rows"]
+    assert {r["host"] for r in rows} == {"mlx", "llama_cpp"}
+    assert {r["strategy"] for r in rows} == {"baseline", "blind", "aware", "forced", "recipe", "full"}
+    _finite(rows, ["passes_per_token", "tokens_per_s", "speed_vs_baseline", "tokens", "target_passes"])
+    _finite([r for r in rows if r["strategy"] in ("blind", "aware", "full")],
+            ["acceptance", "accepted_per_round", "grammar_us_per_token"])
+    assert len(doc["claims"]) == 2 and all(isinstance(c["pass"], bool) for c in doc["claims"])
+    assert "aware >= blind acceptance" in doc["_stdout"]
