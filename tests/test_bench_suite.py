@@ -70,3 +70,27 @@ def test_strategies_quick(tmp_path):
             ["acceptance", "accepted_per_round", "grammar_us_per_token"])
     assert len(doc["claims"]) == 2 and all(isinstance(c["pass"], bool) for c in doc["claims"])
     assert "aware >= blind acceptance" in doc["_stdout"]
+
+
+def test_recipes_quick(tmp_path):
+    _have("mlx_lm", "matplotlib")
+    _tiny("target", "draft")
+    doc = bench(tmp_path, "recipes")
+    rows = doc["rows"]
+    assert [r["strategy"] for r in rows] == ["greedy", "none", "forced", "model", "pack", "both"]
+    _finite(rows, ["coverage", "forced_share", "model_share", "accuracy_vs_greedy", "passes_per_token",
+                   "tokens_per_s", "speed_vs_baseline"])
+    assert isinstance(doc["all_equal_greedy"], bool)
+    assert "accuracy against greedy" in doc["_stdout"]
+
+
+def test_scale_quick(tmp_path):
+    _have("mlx_lm", "matplotlib")
+    _tiny("target", "draft")
+    # no strategies JSON: the acceptance is measured on the spot
+    doc = bench(tmp_path, "scale", "--strategies", str(tmp_path / "absent.json"))
+    assert doc["results"] and doc["results"][0]["params"] > 4e8
+    for m in doc["results"]:
+        _finite(m["rows"], ["t1_ms", "tk1_ms", "cost_ratio"])
+    _finite(doc["projection"], ["tokens_per_pass", "projected_speedup"])
+    assert "PROJECTION" in doc["_stdout"]

@@ -1,5 +1,6 @@
 """Benchmarks: ``masks`` (grammar engines: compile, per-token masks, draft masks, our overhead), ``strategies``
-(the Onyx tables: six decoding strategies per host and workload), and the host benchmarks (``mlx_host``,
+(the Onyx tables: six decoding strategies per host and workload), ``recipes`` (the kolm table), ``scale`` (verify
+cost at a memory-bound shape, projected speedup), and the host benchmarks (``mlx_host``,
 ``llama_cpp_host``, ``vllm_host``).  Each module has a ``main(argv) -> int``; ``_report`` holds what they share
 (``--out-dir`` with JSON + PNG, ``--quick``, progress bar)."""
 
@@ -11,6 +12,8 @@ BENCHMARKS = {
     "coverage": "JSON Schema / GBNF coverage on MaskBench and llama.cpp grammars per engine and policy",
     "cost": "cost-aware laws: complete+valid within a budget below typical length, untilted vs adaptive lambda",
     "strategies": "baseline / blind draft / aware draft / forced / recipe / full chain per host and workload",
+    "recipes": "the kolm table: cold / draft model / recipe pack / both, coverage and accuracy against greedy",
+    "scale": "verify k vs decode 1 at the Qwen2.5-0.5B shape (fp32, random weights) and the PROJECTED speedup",
     "mlx_host": "mlx-lm: our loop vs mlx-lm constrained and mlx-lm's own speculative loop",
     "llama_cpp_host": "llama-cpp-python: our Llama vs stock Llama (no drafting / blind draft_model)",
     "vllm_host": "vLLM: our proposer vs ngram and draft_model under the same structured outputs",

@@ -36,12 +36,15 @@ WORKLOADS = ("year", "email", "order_id", "json_extraction", "sql")
 
 
 def run(hosts, workloads, strategies, n: int, k: int, max_tokens: int, temperature: float,
-        show_progress: bool = True) -> list[dict]:
+        show_progress: bool = True, desc: str = "strategies") -> list[dict]:
+    """Rows of ``summarize`` per (host, workload, strategy); ``strategies``: ``Strategy`` objects or names, the
+    first being the baseline that speeds (and, at T=0, outputs) are compared with."""
     from .. import workloads as W
 
+    strategies = [STRATEGIES[s] if isinstance(s, str) else s for s in strategies]
     rows = []
     total = len(hosts) * len(workloads) * n * len(strategies)
-    bar = R.progress(range(total), "strategies", total=total, disable=not show_progress)
+    bar = R.progress(range(total), desc, total=total, disable=not show_progress)
     it = iter(bar)
     for hname in hosts:
         host = load_host(hname)
@@ -50,12 +53,12 @@ def run(hosts, workloads, strategies, n: int, k: int, max_tokens: int, temperatu
             spec = W.constraint(w)
             prompts = [host.encode(W.chat_prompt(e.prompt)) for e in exs]
             for s in strategies:  # warm-up: compile the grammar, load the pack, touch every code path
-                host.run(STRATEGIES[s], w, prompts[0], spec, k=k, max_tokens=8, temperature=temperature, seed=0)
-            runs: dict[str, list] = {s: [] for s in strategies}
+                host.run(s, w, prompts[0], spec, k=k, max_tokens=8, temperature=temperature, seed=0)
+            runs: dict = {s: [] for s in strategies}
             for r, prompt in enumerate(prompts):
                 order = strategies[r % len(strategies):] + strategies[: r % len(strategies)]
                 for s in order:
-                    runs[s].append(host.run(STRATEGIES[s], w, prompt, spec, k=k, max_tokens=max_tokens,
+                    runs[s].append(host.run(s, w, prompt, spec, k=k, max_tokens=max_tokens,
                                             temperature=temperature, seed=1000 + r))
                     next(it, None)
             rows += summarize(hname, w, runs, temperature)
@@ -67,7 +70,7 @@ def run(hosts, workloads, strategies, n: int, k: int, max_tokens: int, temperatu
 def summarize(host: str, workload: str, runs: dict, temperature: float) -> list[dict]:
     from .. import workloads as W
 
-    base = runs.get("baseline")
+    base = next(iter(runs.values()))
     out = []
     for s, rs in runs.items():
         tokens = sum(len(r.tokens) for r in rs)
@@ -77,7 +80,7 @@ def summarize(host: str, workload: str, runs: dict, temperature: float) -> list[
         passes = sum(r.passes for r in rs)
         tps = [len(r.tokens) / r.seconds for r in rs if r.seconds > 0]
         row = {
-            "host": host, "workload": workload, "strategy": s, "what": STRATEGIES[s].what, "n": len(rs),
+            "host": host, "workload": workload, "strategy": s.name, "what": s.what, "n": len(rs),
             "tokens": tokens, "target_passes": passes, "drafted": drafted, "accepted": accepted, "rounds": rounds,
             "acceptance": R.ratio(accepted, drafted) if drafted else None,
             "accepted_per_round": R.ratio(accepted, rounds) if rounds else None,
@@ -90,13 +93,19 @@ def summarize(host: str, workload: str, runs: dict, temperature: float) -> list[
             "accepted_by_source": _sum_dicts(r.by_source for r in rs),
             "valid": sum(bool(r.stop and W.is_valid(workload, r.text)) for r in rs),
         }
-        if base is not None:
-            row["speed_vs_baseline"] = R.median([R.ratio(len(r.tokens) / r.seconds, len(b.tokens) / b.seconds)
-                                                 for r, b in zip(rs, base) if r.seconds > 0 and b.seconds > 0])
-            if temperature == 0:
-                row["same_as_baseline"] = sum(r.text == b.text for r, b in zip(rs, base))
+        row["speed_vs_baseline"] = R.median([R.ratio(len(r.tokens) / r.seconds, len(b.tokens) / b.seconds)
+                                             for r, b in zip(rs, base) if r.seconds > 0 and b.seconds > 0])
+        if temperature == 0:
+            row["same_as_baseline"] = sum(_same(r, b) for r, b in zip(rs, base))
         out.append(row)
     return out
+
+
+def _same(r, b) -> bool:
+    """Same output: token for token where both runs know their ids, else the same text."""
+    if -1 in r.tokens or -1 in b.tokens:
+        return r.text == b.text
+    return r.tokens == b.tokens
 
 
 def _sum_dicts(ds) -> dict:

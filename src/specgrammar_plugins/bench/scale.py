@@ -1,0 +1,261 @@
+"""Benchmark ``scale``: what verifying k drafts costs against decoding one token, for a memory-bound model shape.
+
+The tiny models of this project are dominated by Python overhead, so their wall-clock says nothing about real
+sizes.  This benchmark measures, on the machine at hand, one forward pass of a model with the Qwen2.5-0.5B shape
+(hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocabulary 151,936; about 494M parameters, fp32
+about 2 GB) over 1 token and over k+1 tokens (the pending token plus k drafts) at a context of ``--context`` tokens
+held in a KV cache, for k in 1, 2, 4, 8.  The weights are random: a forward pass does the same arithmetic and
+memory traffic whatever the weights' values (fp32: no data-dependent kernels), so its time is the real model's.
+
+Backends: ``mlx`` (``mlx_lm.models.qwen2``, mlx-lm's own KV cache) and ``torch`` (transformers' ``Qwen2ForCausalLM``
+with a ``DynamicCache``), each when installed; ``--device cuda`` runs the torch backend on a GPU when torch sees one
+(never required).  Each timing is the median of ``--reps`` passes; between passes the cache is trimmed back to the
+context, so every pass sees the same context length.
+
+Then the PROJECTION: with the tokens per target pass measured by ``bench strategies`` (its JSON, ``--strategies``,
+default ``bench-out/strategies/strategies.json`` when present; otherwise a short measurement on the tiny pair through
+mlx-lm), the speedup that acceptance implies at this shape is
+
+    projected speedup = tokens_per_pass * t(1) / t(k+1)
+
+(k = the k those runs used).  It is a projection, not a measurement: it leaves out the drafter's own cost (zero for
+forced tokens and recipe packs, a small model's forward for the draft model) and the grammar's time per token.
+
+    specgrammar bench scale [--backends mlx torch] [--context 256] [--ks 1 2 4 8] [--reps 5] [--device cpu|cuda]
+                            [--strategies PATH] [--out-dir bench-out/scale] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from . import _report as R
+
+QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  intermediate_size=4864, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  max_position_embeddings=32768, tie_word_embeddings=True)
+
+
+def _time(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def measure_mlx(shape: dict, context: int, ks, reps: int, seed: int = 0) -> dict:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.models import qwen2
+    from mlx_lm.models.cache import make_prompt_cache
+
+    mx.random.seed(seed)
+    args = qwen2.ModelArgs(model_type="qwen2", **shape)
+    model = qwen2.Model(args)
+    # random weights (the default init is already random; scale them like a trained model's, in fp32)
+    model.update(tree_map(lambda p: (mx.random.normal(p.shape) * 0.02).astype(mx.float32), model.parameters()))
+    mx.eval(model.parameters())
+    n_params = sum(p.size for _, p in tree_flatten(model.parameters()))
+    cache = make_prompt_cache(model)
+    ids = mx.random.randint(0, shape["vocab_size"], (1, context + max(ks) + 1))
+    mx.eval(model(ids[:, :context], cache=cache))
+
+    def step(n):
+        def f():
+            out = model(ids[:, context:context + n], cache=cache)
+            mx.eval(out)
+            for c in cache:
+                c.trim(n)
+        return f
+
+    step(1)()  # warm-up (kernels, allocator)
+    times = {n: _time(step(n), reps) for n in [1, *[k + 1 for k in ks]]}
+    del model, cache
+    gc.collect()
+    return {"backend": "mlx", "device": "cpu", "params": int(n_params), "times": times}
+
+
+def measure_torch(shape: dict, context: int, ks, reps: int, device: str = "cpu", seed: int = 0) -> dict:
+    import torch
+    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**shape, torch_dtype="float32")
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg)
+    model = model.to_empty(device=device).eval()
+    model.tie_weights()  # the 0.5B model ties its output layer to the embeddings (to_empty drops the tie)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+        for name, b in model.named_buffers():  # rotary inverse frequencies: recompute what to_empty left empty
+            if "inv_freq" in name:
+                d = b.numel() * 2
+                b.copy_(1.0 / (shape["rope_theta"] ** (torch.arange(0, d, 2, device=device).float() / d)))
+    n_params = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, shape["vocab_size"], (1, context + max(ks) + 1), device=device)
+    cache = DynamicCache()
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    with torch.no_grad():
+        model(ids[:, :context], past_key_values=cache, use_cache=True)
+
+        def step(n):
+            def f():
+                model(ids[:, context:context + n], past_key_values=cache, use_cache=True, logits_to_keep=n)
+                sync()
+                cache.crop(-n)
+            return f
+
+        step(1)()
+        times = {n: _time(step(n), reps) for n in [1, *[k + 1 for k in ks]]}
+    del model, cache
+    gc.collect()
+    return {"backend": "torch", "device": device, "threads": torch.get_num_threads(), "params": int(n_params),
+            "times": times}
+
+
+def acceptance(path: Path | None, quick: bool, show_progress: bool) -> dict:
+    """{k, source, rows: [{host, workload, strategy, tokens_per_pass}]} from a strategies JSON, or measured now."""
+    if path is not None and path.exists():
+        doc = json.loads(path.read_text())
+        hosts = [r["host"] for r in doc["rows"]]
+        host = "mlx" if "mlx" in hosts else hosts[0]  # the hosts count the same passes: one host's rows suffice
+        rows = [r for r in doc["rows"] if r["strategy"] != "baseline" and r["host"] == host]
+        return {"k": doc["k"], "temperature": doc["temperature"], "source": str(path), "rows": [
+            {key: r[key] for key in ("host", "workload", "strategy", "tokens_per_pass")} for r in rows]}
+    from ._hosts import STRATEGIES
+    from .strategies import WORKLOADS, run
+
+    k = 4
+    ws = ["json_extraction"] if quick else list(WORKLOADS)
+    strategies = [STRATEGIES[s] for s in ("baseline", "recipe", "full")]
+    rows = run(["mlx"], ws, strategies, 1 if quick else 3, k, 32 if quick else 64, 0.0, show_progress, "acceptance")
+    return {"k": k, "temperature": 0.0, "source": "measured now (mlx, tiny pair, T=0)", "rows": [
+        {key: r[key] for key in ("host", "workload", "strategy", "tokens_per_pass")}
+        for r in rows if r["strategy"] != "baseline"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from ..adapters.mlx_lm.blas import preloaded, reexec_with_openblas
+
+    reexec_with_openblas("specgrammar_plugins.bench.scale", argv)
+    ap = argparse.ArgumentParser(prog="specgrammar bench scale", description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", nargs="+", default=None, choices=["mlx", "torch"],
+                    help="default: every one installed (quick: the first)")
+    ap.add_argument("--device", default="cpu", help="torch device (cpu, or cuda when torch sees a GPU)")
+    ap.add_argument("--context", type=int, default=None, help="tokens in the KV cache (default 256; quick 128)")
+    ap.add_argument("--ks", type=int, nargs="+", default=None, help="draft lengths (default 1 2 4 8; quick 1 4)")
+    ap.add_argument("--reps", type=int, default=None, help="timed passes per size, median (default 5; quick 2)")
+    ap.add_argument("--strategies", type=Path, default=Path("bench-out/strategies/strategies.json"),
+                    help="a bench strategies JSON with the measured acceptance (measured now when absent)")
+    R.add_common_args(ap, "scale")
+    a = ap.parse_args(argv)
+    context = a.context or (128 if a.quick else 256)
+    ks = a.ks or ([1, 4] if a.quick else [1, 2, 4, 8])
+    reps = a.reps or (2 if a.quick else 5)
+    backends = a.backends or [b for b in ("mlx", "torch") if _installed(b)]
+    if a.device != "cpu":
+        import torch
+
+        if not (a.device.startswith("cuda") and torch.cuda.is_available()):
+            print(f"bench scale: torch sees no {a.device} device; run with --device cpu", file=sys.stderr)
+            return 2
+        backends = ["torch"]
+    if a.quick and not a.backends:
+        backends = backends[:1]
+    if not backends:
+        print("bench scale: neither mlx-lm nor torch+transformers is installed", file=sys.stderr)
+        return 2
+    rep = R.Report("scale", a, argv)
+    results = []
+    for b in R.progress(backends, "scale", disable=a.no_progress):
+        m = measure_mlx(QWEN25_05B, context, ks, reps) if b == "mlx" else \
+            measure_torch(QWEN25_05B, context, ks, reps, a.device)
+        t1 = m["times"][1]
+        m["rows"] = [{"k": k, "t1_ms": 1e3 * t1, "tk1_ms": 1e3 * m["times"][k + 1],
+                      "cost_ratio": m["times"][k + 1] / t1} for k in ks]
+        results.append(m)
+    acc = acceptance(a.strategies, a.quick, not a.no_progress)
+    kk = acc["k"]
+    proj = []
+    for m in results:
+        t1 = m["times"][1]
+        tk = m["times"].get(kk + 1)
+        if tk is None:  # the measured k is not among --ks: time it as well would cost a model load; interpolate
+            tk = _interpolate(m["times"], kk + 1)
+        for r in acc["rows"]:
+            proj.append({"backend": m["backend"], "device": m["device"], **r, "k": kk,
+                         "t1_ms": 1e3 * t1, "tk1_ms": 1e3 * tk,
+                         "projected_speedup": r["tokens_per_pass"] * t1 / tk})
+    print(f"\nbench scale: Qwen2.5-0.5B shape (hidden 896, 24 layers, 14/2 heads, intermediate 4864, vocab 151,936), "
+          f"fp32, random weights, context {context}, median of {reps}, BLAS: {preloaded()}\n")
+    print(R.md_table(["backend", "device", "params", "k", "t(1) ms", "t(k+1) ms", "t(k+1)/t(1)"],
+                     [[m["backend"], m["device"], f"{m['params'] / 1e6:.0f}M", r["k"], f"{r['t1_ms']:.1f}",
+                       f"{r['tk1_ms']:.1f}", f"{r['cost_ratio']:.2f}"] for m in results for r in m["rows"]],
+                     right=range(2, 7)))
+    print(f"\nPROJECTION (not a measurement): tokens per target pass from {acc['source']} (k={kk}, "
+          f"T={acc['temperature']:g}) x t(1)/t(k+1) at this shape; the drafter's and the grammar's own time are "
+          "left out.\n")
+    print(R.md_table(["backend", "host", "workload", "strategy", "tokens / target pass", "PROJECTED speedup"],
+                     [[p["backend"], p["host"], p["workload"], p["strategy"], f"{p['tokens_per_pass']:.2f}",
+                       f"{p['projected_speedup']:.2f}x"] for p in proj], right=(4, 5)))
+    print(f"\n{time.perf_counter() - rep.t0:.0f}s; command: specgrammar bench scale {' '.join(argv)}")
+    for m in results:
+        m["times"] = {str(n): t for n, t in m["times"].items()}
+    rep.write({"shape": QWEN25_05B, "dtype": "float32", "weights": "random (forward cost does not depend on them)",
+               "context": context, "ks": ks, "reps": reps, "blas": preloaded(), "results": results,
+               "acceptance": acc, "projection": proj,
+               "versions": R.versions("mlx", "mlx-lm", "torch", "transformers")}, plot=_plot(results, proj))
+    return 0
+
+
+def _interpolate(times: dict, n: int) -> float:
+    xs = sorted(times)
+    lo = max([x for x in xs if x <= n], default=xs[0])
+    hi = min([x for x in xs if x >= n], default=xs[-1])
+    if hi == lo:
+        return times[lo]
+    return times[lo] + (times[hi] - times[lo]) * (n - lo) / (hi - lo)
+
+
+def _installed(backend: str) -> bool:
+    import importlib.util
+
+    mods = ("mlx_lm",) if backend == "mlx" else ("torch", "transformers")
+    return all(importlib.util.find_spec(m) is not None for m in mods)
+
+
+def _plot(results, proj):
+    def draw(fig):
+        ax = fig.add_subplot(1, 2, 1)
+        for m in results:
+            ks = [r["k"] for r in m["rows"]]
+            ax.plot(ks, [r["cost_ratio"] for r in m["rows"]], "o-", label=f"{m['backend']} ({m['device']})")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xlabel("k (draft tokens verified)")
+        ax.set_ylabel("t(k+1) / t(1)")
+        ax.set_title("cost of verifying k drafts vs decoding 1\nQwen2.5-0.5B shape, fp32", fontsize=10)
+        ax.legend(fontsize=7)
+        ax = fig.add_subplot(1, 2, 2)
+        strat = list(dict.fromkeys(p["strategy"] for p in proj))
+        ws = list(dict.fromkeys(p["workload"] for p in proj))
+        first = results[0]["backend"] if results else None
+        get = {(p["workload"], p["strategy"]): p["projected_speedup"] for p in proj
+               if p["backend"] == first and p["host"] == proj[0]["host"]}
+        R.bar_groups(ax, ws, {s: [get.get((w, s)) for w in ws] for s in strat}, "speedup (PROJECTION)",
+                     f"PROJECTED speedup at this shape ({first})", hline=1.0)
+    return draw
+
+
+if __name__ == "__main__":
+    sys.exit(main())
