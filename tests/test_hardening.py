@@ -116,3 +116,68 @@ def test_draft_eos_where_grammar_is_incomplete(toy_tok):
     text = toy_tok.decode(out[:-1])
     assert out[-1] == 0 and len(text) == 5 and text.isdigit()
     assert 0 not in out[:-1]
+
+
+EMPTY_LANGUAGES = [
+    (ConstraintSpec.grammar('root ::= "a" root'), "no derivation of 'root' ever ends"),
+    (ConstraintSpec.grammar('root ::= x\nx ::= "(" x ")" | "[" y "]"\ny ::= x+'), "no derivation of 'root' ever ends"),
+    (ConstraintSpec.regex(r"a{0}b[^\x00-\U0010FFFF]"), "allows no character"),
+    (ConstraintSpec.regex(r"([^\d\D]|x[^\x00-\U0010FFFF])+y|z[^\x00-\uD7FF\uE000-\U0010FFFF]{1,3}"), "allows no character"),
+]
+
+
+@pytest.mark.parametrize("engine", ["dfa", "xgrammar", "llguidance", "outlines_core", "auto"])
+@pytest.mark.parametrize("spec,reason", EMPTY_LANGUAGES, ids=["gbnf-self", "gbnf-cycle", "regex-class", "regex-alt"])
+def test_languages_with_no_string_are_refused_at_compile_time(toy_tok, engine, spec, reason):
+    """Each of these allows a first token (``a``, ``(``, ``b``, ``x``) (``z``: surrogates cannot be encoded) but no string ends: decoding
+    would run to max_tokens or fail at a later mask.  Refused before any engine runs, on every engine."""
+    t0 = time.perf_counter()
+    with pytest.raises(ConstraintError, match="matches no string") as e:
+        compile_constraint(spec, toy_tok, engine=engine, cache=None)
+    assert reason in str(e.value)
+    assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.parametrize("engine", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("schema", [False, {"not": {}}, {"enum": []}, {"anyOf": []},
+                                    {"type": "integer", "minimum": 5, "maximum": 1}])
+def test_schemas_with_no_instance_are_refused(toy_tok, engine, schema):
+    t0 = time.perf_counter()
+    with pytest.raises(ConstraintError) as e:
+        compile_constraint(ConstraintSpec.json_schema(schema), toy_tok, engine=engine, cache=None)
+    assert e.value.engine == engine and e.value.reason
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_productive_grammars_and_regexes_are_not_refused(toy_tok):
+    """The emptiness checks are conservative: recursion with an exit, optional parts, wide negated classes."""
+    from specgrammar_plugins.emptiness import gbnf_unproductive_root, regex_is_empty
+
+    assert not gbnf_unproductive_root('root ::= "a" root | "b"')
+    assert not gbnf_unproductive_root('root ::= x*\nx ::= "a" x')  # x is empty, but x* is the empty string
+    assert not gbnf_unproductive_root('root ::= "(" root ")" | [a-z]+')
+    assert not regex_is_empty(r"b[^\x00-\uffff]")  # characters past U+FFFF remain
+    assert not regex_is_empty(r"([^\x00-\U0010FFFF])?b")
+    assert not regex_is_empty(r"[0-9")  # unreadable here: left to the engine
+    c = compile_constraint(ConstraintSpec.grammar('root ::= "a" root | "b"'), toy_tok, engine="llguidance", cache=None)
+    m = c.matcher()
+    assert all(m.accept(t) for t in toy_tok.encode("aab")) and m.accept(toy_tok.eos_token_id)
+
+
+@pytest.mark.parametrize("engine", ["dfa", "xgrammar", "llguidance", "outlines_core"])
+def test_an_empty_mask_mid_walk_is_an_empty_mask_error(toy_tok, engine):
+    """A language empty only for this vocabulary (no toy token spells U+0100..U+0200), which the structural check
+    cannot see: the engine refuses it at compile time, or the loop raises EmptyMaskError at the position where no
+    token is allowed, instead of looping or sampling outside the mask."""
+    from specgrammar_plugins import EmptyMaskError
+
+    t0 = time.perf_counter()
+    try:
+        c = compile_constraint(ConstraintSpec.regex("b[\u0100-\u0200]"), toy_tok, engine=engine, cache=None)
+    except ConstraintError as e:
+        assert e.engine == engine and ("incompatible" in e.reason or "matches no string" in e.reason), e
+    else:
+        with pytest.raises(EmptyMaskError, match="no token is allowed"):
+            generate(MarkovRunner(toy_tok.vocab_size, valid=len(toy_tok.token_bytes)), [1], constraint=c,
+                     params=GREEDY, max_tokens=8, seed=0)
+    assert time.perf_counter() - t0 < 5.0

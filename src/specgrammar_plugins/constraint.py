@@ -365,6 +365,9 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: s
     if size > LIMITS.max_constraint_bytes:
         raise ConstraintError(f"the constraint is {size} bytes; the limit is {LIMITS.max_constraint_bytes} "
                               "(SPECGRAMMAR_MAX_CONSTRAINT_BYTES)", engine=engine, kind=spec.kind)
+    from .emptiness import check_not_empty
+
+    check_not_empty(spec, engine)  # a language with no string at all: refused before any engine runs
     if engine == "auto":
         errors: list[ConstraintError] = []
         names = policy_engines(spec)

@@ -83,6 +83,7 @@ def _schema_spec(schema: Any, where: str) -> ConstraintSpec:
 
 def _grammar_spec(text: Any, syntax: Any, where: str) -> ConstraintSpec:
     _need(isinstance(text, str) and text.strip() != "", f"{where} must be a non-empty grammar string")
+    _need(syntax is None or isinstance(syntax, str), f"{where} syntax must be a string (gbnf, lark or ebnf)")
     syntax = (syntax or "gbnf").lower()
     _need(syntax in GRAMMAR_SYNTAXES, f"grammar syntax must be one of {', '.join(GRAMMAR_SYNTAXES)}")
     return ConstraintSpec.grammar(text, syntax)

@@ -81,6 +81,36 @@ def engine_words(e: BaseException) -> str:
     return msg or type(e).__name__
 
 
+def empty_choice(schema, pointer: str = "") -> str | None:
+    """Where ``schema`` has an empty ``enum`` / ``anyOf`` / ``oneOf`` (``"anyOf at /properties/a"``), if anywhere.
+    Each matches no value, but outlines-core 0.2.14 turns it into ``()`` (the empty string: ``{"a": {"enum": []}}``
+    allowed ``{"a":}``) and xgrammar 0.2.8 does the same with an empty ``anyOf`` (``{"anyOf": []}`` allowed
+    only EOS, the empty output)."""
+    if isinstance(schema, dict):
+        for key in ("enum", "anyOf", "oneOf"):
+            if isinstance(schema.get(key), list) and not schema[key]:
+                return f"{key} at {pointer or '/'}"
+        items = schema.items()
+    elif isinstance(schema, list):
+        items = enumerate(schema)
+    else:
+        return None
+    for k, v in items:
+        if k in ("enum", "const", "default", "examples"):
+            continue
+        found = empty_choice(v, f"{pointer}/{k}")
+        if found:
+            return found
+    return None
+
+
+def refuse_empty_choices(spec, engine: str) -> None:
+    """``ConstraintError`` for a JSON Schema with an empty enum / anyOf / oneOf (see ``empty_choice``)."""
+    where = empty_choice(spec.schema) if spec.kind == "json_schema" else None
+    if where:
+        raise ConstraintError(f"{where} is empty: it matches no value", engine=engine, kind=spec.kind)
+
+
 def no_start_error(engine: str, kind: str) -> ConstraintError:
     return ConstraintError("the constraint matches no string: no token is allowed at the start",
                            engine=engine, kind=kind)

@@ -194,7 +194,14 @@ class LLGuidanceMatcher:
         if out.nbytes > nbytes:
             out[self._words:] = 0
         if self.m.is_error():
-            raise ConstraintError(_error_text(self.m.get_error()), engine=NAME, kind=self.compiled.spec.kind)
+            err = _error_text(self.m.get_error())
+            if err.startswith("NoExtensionBias"):
+                # llguidance 1.7.6 puts the matcher in its error state where no token can continue (a language
+                # empty for this vocabulary): an empty row, as every other engine gives (the loop then raises
+                # EmptyMaskError); the error state only forbids going on from here
+                out[:] = 0
+                return
+            raise ConstraintError(err, engine=NAME, kind=self.compiled.spec.kind)
 
     def accept(self, token: int) -> bool:
         if self.book.terminated or not (0 <= token < len(self.tok.token_bytes)):

@@ -28,7 +28,9 @@ import numpy as np
 from ..constraint import CompiledConstraint, ConstraintSpec, Forced, mask_words
 from ..errors import ConstraintError
 from ..tokenizer import TokenizerInfo
-from ._common import GreedyBytes, PerTokenizerCache, ascii_shorthands, engine_words, forced_from_masks, no_start_error
+from ._common import (
+    GreedyBytes, PerTokenizerCache, ascii_shorthands, engine_words, forced_from_masks, no_start_error,
+    refuse_empty_choices)
 
 NAME = "outlines_core"
 MASK_CACHE_ENTRIES = 1024
@@ -99,6 +101,7 @@ def _regex_for(spec: ConstraintSpec, options: dict) -> str:
                               engine=NAME, kind=spec.kind)
     from outlines_core.json_schema import build_regex_from_schema
 
+    refuse_empty_choices(spec, NAME)  # outlines-core 0.2.14 reads an empty enum / anyOf as the empty string
     opts = {**dict(spec.options), **options}
     kw = {}
     if "any_whitespace" in opts:

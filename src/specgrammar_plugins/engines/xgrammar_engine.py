@@ -20,7 +20,7 @@ from ..gbnf import fill_empty_alternatives, normalize_gbnf  # noqa: F401  (re-ex
 from ..tokenizer import TokenizerInfo
 from ._common import (
     PerTokenizerCache, StepBook, ascii_shorthands, clear_past, engine_words, forced_from_masks, no_start_error,
-    popcount)
+    popcount, refuse_empty_choices)
 
 NAME = "xgrammar"
 
@@ -58,6 +58,7 @@ class XGrammarEngine:
             import xgrammar  # noqa: F401
         except ImportError as e:  # pragma: no cover - the dependency is required
             raise ConstraintError(f"the xgrammar engine needs the xgrammar package ({e})", engine=NAME) from None
+        refuse_empty_choices(spec, NAME)  # xgrammar 0.2.8 reads an empty anyOf as the empty string
         comp = _COMPILERS.get(tokenizer)
         try:
             if spec.kind in ("regex", "choice"):

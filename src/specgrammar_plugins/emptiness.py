@@ -1,0 +1,194 @@
+"""Compile-time detection of constraints whose language is empty (they accept no string at all).
+
+The engines refuse a constraint that allows no first token, but an empty language can still allow one: the regex
+``b[^\\x00-\\U0010FFFF]`` allows ``b`` and then nothing, the GBNF grammar ``root ::= "a" root`` allows ``a``
+forever and never an end.  Decoding such a constraint either fails at a later mask or runs to ``max_tokens``
+without ever producing a valid answer.  These checks are structural, cheap (linear in the text) and conservative:
+they say "empty" only when it is certain, so a language they pass may still be empty in a way they do not model
+(then the engine's own first-mask check or the loop's ``EmptyMaskError`` still applies).
+
+- regex (and choice): read with Python's regex parser; a negated class that covers every Unicode scalar value is
+  empty, a sequence with an empty part is empty, an alternation is empty when every branch is, a repeat with
+  minimum > 0 of an empty part is empty.  A pattern Python cannot read is left to the engine.
+- GBNF: the classic productive-symbol fixpoint: a rule is productive when one of its alternatives has only
+  productive parts (literals, non-empty classes, optional/starred parts, productive rules).  The language is empty
+  when ``root`` is not productive.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+from .errors import ConstraintError
+
+_MAX_CP = 0x10FFFF
+_SURROGATES = (0xD800, 0xDFFF)  # no UTF-8 string holds them: a class need not cover them
+
+
+def _re_parser():
+    try:
+        import re._parser as p  # Python 3.11+
+    except ImportError:  # pragma: no cover
+        import sre_parse as p
+    return p
+
+
+def _class_is_empty(items) -> bool:
+    if not items or str(items[0][0]) != "NEGATE":
+        return False  # a positive class always names a member
+    spans: list[tuple[int, int]] = [_SURROGATES]
+    cats: set[str] = set()
+    for op, av in items[1:]:
+        op = str(op)
+        if op == "LITERAL":
+            spans.append((av, av))
+        elif op == "RANGE":
+            spans.append(av)
+        elif op == "CATEGORY":
+            cats.add(str(av))
+    for c in cats:  # [^\d\D]: a category and its negation cover everything
+        if c.replace("_NOT_", "_") != c and c.replace("_NOT_", "_") in cats:
+            return True
+    covered = -1
+    for lo, hi in sorted(spans):
+        if lo > covered + 1:
+            return False
+        covered = max(covered, hi)
+    return covered >= _MAX_CP
+
+
+def _seq_is_empty(seq) -> bool:
+    for op, av in seq:
+        op = str(op)
+        if op == "IN" and _class_is_empty(av):
+            return True
+        if op == "BRANCH" and all(_seq_is_empty(b) for b in av[1]):
+            return True
+        if op == "SUBPATTERN" and _seq_is_empty(av[-1]):
+            return True
+        if op == "ATOMIC_GROUP" and _seq_is_empty(av):
+            return True
+        if op in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") and av[0] > 0 and _seq_is_empty(av[2]):
+            return True
+    return False
+
+
+def regex_is_empty(pattern: str) -> bool:
+    """True when ``pattern`` certainly matches no string (False when it matches some, or cannot be read here)."""
+    try:
+        parsed = _re_parser().parse(pattern)
+    except (re.error, RecursionError, OverflowError, ValueError):
+        return False
+    return _seq_is_empty(list(parsed))
+
+
+# ---------------------------------------------------------------------------------------------- GBNF
+def _gbnf_parts(body: str) -> list[list[tuple]]:
+    """A GBNF rule body as alternatives of parts: ``("lit",)``, ``("class", text)``, ``("ref", name)``,
+    ``("group", alternatives)``, each with ``optional`` (a quantifier allowing zero repeats) as the last item."""
+    from .gbnf import _NAME, _match_paren, _skip_literal
+
+    alts: list[list[tuple]] = [[]]
+    i, n = 0, len(body)
+    while i < n:
+        c = body[i]
+        if c.isspace():
+            i += 1
+            continue
+        if c == "|":
+            alts.append([])
+            i += 1
+            continue
+        if c in "*?":
+            if alts[-1]:
+                alts[-1][-1] = (*alts[-1][-1][:-1], True)
+            i += 1
+            continue
+        if c == "+":
+            i += 1
+            continue
+        if c == "{":
+            j = body.index("}", i)
+            lo = body[i + 1:j].split(",")[0].strip()
+            if alts[-1] and (lo == "" or int(lo) == 0):
+                alts[-1][-1] = (*alts[-1][-1][:-1], True)
+            i = j + 1
+            continue
+        if c == '"':
+            j = _skip_literal(body, i)
+            alts[-1].append(("lit", False))
+        elif c == "[":
+            j = _skip_literal(body, i)
+            alts[-1].append(("class", body[i:j], False))
+        elif c == "(":
+            j = _match_paren(body, i) + 1
+            alts[-1].append(("group", _gbnf_parts(body[i + 1:j - 1]), False))
+        elif c == ".":
+            j = i + 1
+            alts[-1].append(("lit", False))
+        else:
+            m = _NAME.match(body, i)
+            if not m:
+                raise ValueError(f"unexpected {c!r}")
+            j = m.end()
+            alts[-1].append(("ref", m.group(), False))
+        i = j
+    return alts
+
+
+def gbnf_unproductive_root(text: str) -> bool:
+    """True when the GBNF grammar's ``root`` derives no finite string (False when it does, or cannot be read)."""
+    from .gbnf import _class_regex, strip_comments
+
+    body = strip_comments(text)
+    starts = list(re.finditer(r"(?m)^[ \t]*([A-Za-z0-9_-]+)[ \t]*::=", body))
+    if not starts:
+        return False
+    try:
+        rules = {m.group(1): _gbnf_parts(body[m.end(): nxt.start() if nxt else len(body)])
+                 for m, nxt in zip(starts, starts[1:] + [None])}
+    except (ValueError, IndexError):
+        return False
+    if "root" not in rules:
+        return False
+    productive: set[str] = set()
+
+    def part_ok(p) -> bool:
+        if p[-1]:  # may repeat zero times
+            return True
+        if p[0] == "lit":
+            return True
+        if p[0] == "class":
+            try:
+                return not regex_is_empty(_class_regex(p[1]))
+            except (ValueError, IndexError):
+                return True
+        if p[0] == "ref":
+            return p[1] in productive or p[1] not in rules  # an unknown rule is the engine's error to report
+        return any(all(part_ok(q) for q in alt) for alt in p[1])
+
+    changed = True
+    while changed:
+        changed = False
+        for name, alts in rules.items():
+            if name not in productive and any(all(part_ok(p) for p in alt) for alt in alts):
+                productive.add(name)
+                changed = True
+    return "root" not in productive
+
+
+@lru_cache(maxsize=1024)
+def _why_empty(kind: str, syntax: str | None, value) -> str | None:
+    if kind == "regex" and regex_is_empty(value):
+        return "a part of the regex that must occur allows no character"
+    if kind == "grammar" and syntax == "gbnf" and gbnf_unproductive_root(value):
+        return "no derivation of 'root' ever ends (every alternative needs a rule that never finishes)"
+    return None
+
+
+def check_not_empty(spec, engine: str | None = None) -> None:
+    """Raise ``ConstraintError`` ("matches no string") when ``spec``'s language is certainly empty."""
+    why = _why_empty(spec.kind, spec.syntax, spec.value) if spec.kind in ("regex", "grammar") else None
+    if why:
+        raise ConstraintError(f"the constraint matches no string: {why}", engine=engine, kind=spec.kind)
