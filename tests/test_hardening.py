@@ -121,13 +121,15 @@ def test_draft_eos_where_grammar_is_incomplete(toy_tok):
 EMPTY_LANGUAGES = [
     (ConstraintSpec.grammar('root ::= "a" root'), "no derivation of 'root' ever ends"),
     (ConstraintSpec.grammar('root ::= x\nx ::= "(" x ")" | "[" y "]"\ny ::= x+'), "no derivation of 'root' ever ends"),
+    (ConstraintSpec.grammar('root ::= "b" c\nc ::= [^\\x00-\\U0010FFFF]'), "no derivation of 'root' ever ends"),
     (ConstraintSpec.regex(r"a{0}b[^\x00-\U0010FFFF]"), "allows no character"),
     (ConstraintSpec.regex(r"([^\d\D]|x[^\x00-\U0010FFFF])+y|z[^\x00-\uD7FF\uE000-\U0010FFFF]{1,3}"), "allows no character"),
 ]
 
 
 @pytest.mark.parametrize("engine", ["dfa", "xgrammar", "llguidance", "outlines_core", "auto"])
-@pytest.mark.parametrize("spec,reason", EMPTY_LANGUAGES, ids=["gbnf-self", "gbnf-cycle", "regex-class", "regex-alt"])
+@pytest.mark.parametrize("spec,reason", EMPTY_LANGUAGES,
+                         ids=["gbnf-self", "gbnf-cycle", "gbnf-class", "regex-class", "regex-alt"])
 def test_languages_with_no_string_are_refused_at_compile_time(toy_tok, engine, spec, reason):
     """Each of these allows a first token (``a``, ``(``, ``b``, ``x``) (``z``: surrogates cannot be encoded) but no string ends: decoding
     would run to max_tokens or fail at a later mask.  Refused before any engine runs, on every engine."""

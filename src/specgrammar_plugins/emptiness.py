@@ -37,7 +37,7 @@ def _re_parser():
 def _class_is_empty(items) -> bool:
     if not items or str(items[0][0]) != "NEGATE":
         return False  # a positive class always names a member
-    spans: list[tuple[int, int]] = [_SURROGATES]
+    spans: list[tuple[int, int]] = []
     cats: set[str] = set()
     for op, av in items[1:]:
         op = str(op)
@@ -50,12 +50,7 @@ def _class_is_empty(items) -> bool:
     for c in cats:  # [^\d\D]: a category and its negation cover everything
         if c.replace("_NOT_", "_") != c and c.replace("_NOT_", "_") in cats:
             return True
-    covered = -1
-    for lo, hi in sorted(spans):
-        if lo > covered + 1:
-            return False
-        covered = max(covered, hi)
-    return covered >= _MAX_CP
+    return _covers_unicode(spans)
 
 
 def _seq_is_empty(seq) -> bool:
@@ -137,9 +132,57 @@ def _gbnf_parts(body: str) -> list[list[tuple]]:
     return alts
 
 
+_GBNF_ESC = {"n": "\n", "t": "\t", "r": "\r"}
+
+
+def _gbnf_class_is_empty(cls: str) -> bool:
+    """Whether a GBNF ``[...]`` class allows no character (only a negated class covering all of Unicode)."""
+    inner = cls[1:-1]
+    if not inner.startswith("^"):
+        return False
+    chars: list[int | None] = []  # code points; None marks a range dash
+    i = 1
+    try:
+        while i < len(inner):
+            c = inner[i]
+            if c == "\\" and i + 1 < len(inner):
+                e = inner[i + 1]
+                width = {"x": 2, "u": 4, "U": 8}.get(e)
+                if width:
+                    chars.append(int(inner[i + 2:i + 2 + width], 16))
+                    i += 2 + width
+                    continue
+                chars.append(ord(_GBNF_ESC.get(e, e)))
+                i += 2
+                continue
+            chars.append(None if c == "-" and chars and i + 1 < len(inner) else ord(c))
+            i += 1
+    except ValueError:
+        return False
+    spans, k = [], 0
+    while k < len(chars):
+        if k + 2 < len(chars) and chars[k + 1] is None and chars[k] is not None and chars[k + 2] is not None:
+            spans.append((chars[k], chars[k + 2]))
+            k += 3
+        else:
+            if chars[k] is not None:
+                spans.append((chars[k], chars[k]))
+            k += 1
+    return _covers_unicode(spans)
+
+
+def _covers_unicode(spans: list[tuple[int, int]]) -> bool:
+    covered = -1
+    for lo, hi in sorted([*spans, _SURROGATES]):
+        if lo > covered + 1:
+            return False
+        covered = max(covered, hi)
+    return covered >= _MAX_CP
+
+
 def gbnf_unproductive_root(text: str) -> bool:
     """True when the GBNF grammar's ``root`` derives no finite string (False when it does, or cannot be read)."""
-    from .gbnf import _class_regex, strip_comments
+    from .gbnf import strip_comments
 
     body = strip_comments(text)
     starts = list(re.finditer(r"(?m)^[ \t]*([A-Za-z0-9_-]+)[ \t]*::=", body))
@@ -160,10 +203,7 @@ def gbnf_unproductive_root(text: str) -> bool:
         if p[0] == "lit":
             return True
         if p[0] == "class":
-            try:
-                return not regex_is_empty(_class_regex(p[1]))
-            except (ValueError, IndexError):
-                return True
+            return not _gbnf_class_is_empty(p[1])
         if p[0] == "ref":
             return p[1] in productive or p[1] not in rules  # an unknown rule is the engine's error to report
         return any(all(part_ok(q) for q in alt) for alt in p[1])
