@@ -94,3 +94,50 @@ def test_scale_quick(tmp_path):
         _finite(m["rows"], ["t1_ms", "tk1_ms", "cost_ratio"])
     _finite(doc["projection"], ["tokens_per_pass", "projected_speedup"])
     assert "PROJECTION" in doc["_stdout"]
+
+
+def test_mlx_host_quick(tmp_path):
+    _have("mlx_lm", "matplotlib")
+    _tiny("target", "draft")
+    doc = bench(tmp_path, "mlx_host")
+    assert doc["rows"]
+    for r in doc["rows"]:
+        _finite([r[c] for c in ("ours", "plain", "mlx-blind", "mlx-aware")], ["tokens_per_pass", "seconds"])
+        _finite([r], ["wall_plain_over_ours", "wall_mlx-blind_over_ours"])
+
+
+def test_llama_cpp_host_quick(tmp_path):
+    _have("llama_cpp", "matplotlib")
+    _tiny("target.gguf", "draft.gguf")
+    doc = bench(tmp_path, "llama_cpp_host")
+    res = doc["results"]
+    assert set(res) == {"stock", "stock+blind", "stock+grammar", "ours", "ours-forced"}
+    _finite(list(res.values()), ["tokens", "target_passes", "tokens_per_pass", "seconds", "ms_per_token"])
+
+
+def test_coverage_quick(tmp_path):
+    _have("llguidance", "matplotlib")
+    from specgrammar_plugins.bench.coverage import DATA
+
+    if not (DATA / "tokenizers" / "qwen2.5").exists() or not (DATA / "jsonschemabench").exists():
+        pytest.skip("../shared/data (Qwen2.5 tokenizer, MaskBench) is absent")
+    out = tmp_path / "coverage"
+    proc = subprocess.run([sys.executable, "-m", "specgrammar_plugins.cli", "bench", "coverage", "--quick",
+                           "--no-progress", "--out-dir", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "coverage.json").read_text())
+    assert (out / "coverage.png").stat().st_size > 1000
+    for r in doc["results"].values():
+        assert r["schemas"] > 0 and all(math.isfinite(x) for x in finite_numbers(r))
+
+
+def test_vllm_host_quick(tmp_path, monkeypatch):
+    _have("vllm", "matplotlib")
+    _tiny("target", "draft")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    doc = bench(tmp_path, "vllm_host")
+    rows = [r for r in doc["rows"] if "proposer" not in r]
+    assert {r["method"] for r in rows} == {"plain", "grammar_recipe"}
+    _finite(rows, ["tokens", "rounds", "accepted", "acceptance", "passes_per_token"])

@@ -139,23 +139,31 @@ class Report:
                "argv": self.argv, "machine": self.machine, **payload}
         self.json_path.write_text(json.dumps(doc, indent=1, default=_json_default))
         paths = [self.json_path]
-        if plot is not None:
-            try:
-                import matplotlib
-
-                matplotlib.use("Agg")
-                import matplotlib.pyplot as plt
-            except ImportError:
-                print(f"{self.name}: matplotlib is not installed, no plot (pip install matplotlib)", file=sys.stderr)
-            else:
-                fig = plt.figure(figsize=figsize)
-                plot(fig)
-                fig.tight_layout()
-                fig.savefig(self.png_path, dpi=110)
-                plt.close(fig)
-                paths.append(self.png_path)
+        if plot is not None and save_plot(self.png_path, plot, figsize):
+            paths.append(self.png_path)
         print("wrote " + ", ".join(str(p) for p in paths))
         return paths
+
+
+def save_plot(path: Path, plot: Callable, figsize=(10, 5)) -> bool:
+    """Draw ``plot(fig)`` into a PNG at ``path`` (Agg backend); False (with a note) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no plot {path}: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        return False
+    fig = plt.figure(figsize=figsize)
+    try:
+        plot(fig)
+        fig.tight_layout()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+    return True
 
 
 def bar_groups(ax, groups: Sequence[str], series: dict[str, Sequence[float]], ylabel: str, title: str = "",

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 from ..constraint import ConstraintSpec, compile_constraint
 from ..errors import ConstraintError
 from ..tokenizer import TokenizerInfo
+from ._report import save_plot
 
 ROOT = Path(__file__).resolve().parents[3]
 DATA = Path(os.environ.get("SPECGRAMMAR_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -144,14 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", default="llguidance,xgrammar,outlines_core,auto")
     ap.add_argument("--out", default="bench-out/coverage.json")
     ap.add_argument("--quick", action="store_true", help="40 schemas, llguidance and auto")
+    ap.add_argument("--out-dir", default=None, help="write coverage.json and coverage.png here (overrides --out)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
+    if a.out_dir is not None:
+        a.out = str(Path(a.out_dir) / "coverage.json")
     if a.quick:
         a.limit, a.stride, a.engines = 40, 50, "llguidance,auto"
     tok = qwen_tokenizer()
     files = schema_files(a.limit, a.stride)
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     t0 = time.perf_counter()
-    res = evaluate(files, engines, tok, progress=True)
+    res = evaluate(files, engines, tok, progress=not a.no_progress)
     print(f"\nMaskBench dev: {len(files)} schemas, Qwen2.5 tokenizer, strict mode ({time.perf_counter() - t0:.0f} s)")
     print(f"{'engine':14} {'compiled':>10} {'compile p50/p99 ms':>20} {'valid accepted':>16} {'invalid rejected':>18} "
           f"{'violations':>10}")
@@ -163,5 +168,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(r['violations']):>10}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"schemas": len(files), "results": res}, indent=1))
-    print(f"wrote {a.out}")
+    png = Path(a.out).with_suffix(".png")
+    print(f"wrote {a.out}" + (f", {png}" if save_plot(png, _plot(res), (10, 4)) else ""))
     return 0
+
+
+def _plot(res: dict):
+    from ._report import bar_groups
+
+    def draw(fig):
+        ax = fig.add_subplot(1, 1, 1)
+        engines = list(res)
+        share = lambda a, b: [r[a] / r[b] if r[b] else None for r in res.values()]  # noqa: E731
+        bar_groups(ax, engines, {"compiled / schemas": share("compiled", "schemas"),
+                                 "valid accepted": share("valid_accepted", "valid"),
+                                 "invalid rejected": share("invalid_rejected", "invalid")},
+                   "share", "MaskBench dev, strict mode", hline=1.0)
+    return draw

@@ -15,8 +15,8 @@ the prefill of prompt[:-1] excluded likewise), tokens per target pass, wall-cloc
 ratio to ``stock``, and whether every output equals ``stock``'s (greedy).  Grammars are compiled (and each
 configuration warmed) before timing.
 
-    python -m specgrammar_plugins.bench.llama_cpp_host [--n 3] [--k 4] [--max-tokens 64] [--temperature 0]
-                                                       [--threads 1] [--workloads ...] [--out results.json]
+    specgrammar bench llama_cpp_host [--n 3] [--k 4] [--max-tokens 64] [--temperature 0] [--threads 1]
+                                     [--workloads ...] [--out-dir bench-out/llama_cpp_host] [--quick]
 """
 
 from __future__ import annotations
@@ -92,16 +92,25 @@ class DecodeCounter:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specgrammar_plugins.bench.llama_cpp_host",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=3, help="prompts per workload")
+    ap.add_argument("--n", type=int, default=None, help="prompts per workload (default 3; quick 1)")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 64; quick 32")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n-ctx", type=int, default=1024)
     ap.add_argument("--workloads", nargs="*", default=None)
     ap.add_argument("--configs", nargs="*", default=None)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
-    args = ap.parse_args(list(argv) if argv is not None else None)
+    ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    from . import _report as R
+
+    R.add_common_args(ap, "llama_cpp_host")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv)
+    args.n = args.n or (1 if args.quick else 3)
+    args.max_tokens = args.max_tokens or (32 if args.quick else 64)
+    if args.quick and not args.workloads:
+        args.workloads = ["json_extraction"]
+    rep = R.Report("llama_cpp_host", args, argv)
 
     import llama_cpp
     from llama_cpp import Llama, LlamaGrammar
@@ -205,10 +214,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{sum(a == b for a, b in zip(outputs[name], outputs['stock']))}/{len(requests)}")
         print(f"| {name} | {r['tokens']} | {r['target_passes']} | {r['tokens_per_pass']:.2f} | {r['seconds']:.2f} "
               f"| {r['ms_per_token']:.2f} | {ratio} | {same} |")
+    rep.write({"args": vars(args), "results": results, "outputs": outputs, "requests": len(requests),
+               "versions": R.versions("llama-cpp-python")}, plot=_plot(names, results), figsize=(10, 4))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": results, "outputs": outputs}, f, indent=1)
+            json.dump({"args": vars(args), "results": results, "outputs": outputs}, f, indent=1, default=str)
     return 0
+
+
+def _plot(names, results):
+    from . import _report as R
+
+    def draw(fig):
+        ax = fig.add_subplot(1, 2, 1)
+        R.bar_groups(ax, ["all requests"], {n: [results[n]["tokens_per_pass"]] for n in names},
+                     "tokens / target pass", "llama-cpp-python: tokens per target pass", hline=1.0)
+        ax = fig.add_subplot(1, 2, 2)
+        R.bar_groups(ax, ["all requests"], {n: [results[n]["ms_per_token"]] for n in names},
+                     "ms / token", "wall-clock per token (tiny models: overhead-bound)")
+    return draw
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ._report import save_plot
+
 QWEN_REL = Path("shared") / "data" / "tokenizers" / "qwen2.5" / "generated" / "tokenizer.json"
 QWEN_WIDTH = 151_936
 DEFAULT_ENGINES = ("xgrammar", "llguidance", "outlines_core")
@@ -232,8 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="mask calls timed per position (default 30; 3 quick)")
     ap.add_argument("--k", type=int, default=8, help="draft length (default 8)")
     ap.add_argument("--out", type=Path, default=Path("bench-out") / "masks.json")
+    ap.add_argument("--out-dir", type=Path, default=None, help="write masks.json and masks.png here (overrides --out)")
+    ap.add_argument("--no-progress", action="store_true", help="accepted for symmetry with the other benchmarks")
     ap.add_argument("--quick", action="store_true", help="a smoke run (< 1 minute)")
     args = ap.parse_args(argv)
+    if args.out_dir is not None:
+        args.out = args.out_dir / "masks.json"
 
     from ..tokenizer import TokenizerInfo
 
@@ -283,8 +289,24 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1, default=_json_default))
-    print(f"\nwrote {args.out}")
+    png = args.out.with_suffix(".png")
+    print(f"\nwrote {args.out}" + (f", {png}" if save_plot(png, _plot(results, engines), (11, 4.5)) else ""))
     return 0
+
+
+def _plot(results: list[dict], engines):
+    from ._report import bar_groups
+
+    def draw(fig):
+        ws = list(dict.fromkeys(r["workload"] for r in results))
+        get = {(r["workload"], r["engine"]): r for r in results}
+        for i, (key, label) in enumerate((("mask_us_median", "per-token mask p50 (µs)"),
+                                          ("compile_ms", "compile (ms)"))):
+            ax = fig.add_subplot(1, 2, i + 1)
+            bar_groups(ax, [w[:24] for w in ws], {e: [get.get((w, e), {}).get(key) for w in ws] for e in engines},
+                       label, label)
+            ax.set_yscale("log")
+    return draw
 
 
 def _json_default(x):

@@ -16,8 +16,8 @@ and the wall-clock ratio plain/ours and mlx-blind/ours (> 1: ours is faster).  E
 checked against the workload's validator.  Tiny models on CPU are dominated by Python overhead, so wall-clock
 ratios understate what memory-bound shapes see (see hosts.md); tokens per target pass is the portable number.
 
-    python -m specgrammar_plugins.bench.mlx_host [--n 4] [--k 4] [--max-tokens 64] [--temperatures 0 0.7]
-                                                 [--workloads ...] [--out results.json] [--models T D]
+    specgrammar bench mlx_host [--n 4] [--k 4] [--max-tokens 64] [--temperatures 0 0.7] [--workloads ...]
+                               [--models T D] [--out-dir bench-out/mlx_host] [--quick]
 """
 
 from __future__ import annotations
@@ -178,33 +178,55 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def plot(rows: list[dict]):
+    from . import _report as R
+
+    def draw(fig):
+        temps = list(dict.fromkeys(r["temperature"] for r in rows))
+        for i, t in enumerate(temps):
+            rs = [r for r in rows if r["temperature"] == t]
+            ax = fig.add_subplot(1, len(temps), i + 1)
+            R.bar_groups(ax, [r["workload"] for r in rs],
+                         {c: [r[c]["tokens_per_pass"] for r in rs] for c in CONFIGS if c in rs[0]},
+                         "tokens / target pass", f"mlx-lm, T={t:g}: tokens per target pass", hline=1.0)
+    return draw
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from ..adapters.mlx_lm.blas import preloaded, reexec_with_openblas
 
     reexec_with_openblas("specgrammar_plugins.bench.mlx_host", argv)
     from ..workloads import WORKLOADS
+    from . import _report as R
 
     ap = argparse.ArgumentParser(prog="python -m specgrammar_plugins.bench.mlx_host",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=4, help="eval prompts per workload")
+    ap.add_argument("--n", type=int, default=None, help="eval prompts per workload (default 4; quick 1)")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round (all speculative configurations)")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 64; quick 32")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=None, help="default 0 0.7; quick 0")
+    ap.add_argument("--workloads", nargs="+", default=None, choices=list(WORKLOADS),
+                    help="default: all; quick: json_extraction")
+    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     ap.add_argument("--no-recipes", action="store_true", help="ours without the shipped recipe packs")
     ap.add_argument("--models", nargs=2, metavar=("TARGET", "DRAFT"), default=None,
                     help="model folders (default: the bundled tiny pair)")
+    R.add_common_args(ap, "mlx_host")
     args = ap.parse_args(argv)
+    n = args.n or (1 if args.quick else 4)
+    max_tokens = args.max_tokens or (32 if args.quick else 64)
+    temperatures = args.temperatures or ([0.0] if args.quick else [0.0, 0.7])
+    workloads = args.workloads or (["json_extraction"] if args.quick else list(WORKLOADS))
     print(f"BLAS: {preloaded() or 'reference (mlx wheel default; apt-get install -y libopenblas0-pthread)'}")
-    t0 = time.perf_counter()
-    rows = run(args.n, args.k, args.max_tokens, args.temperatures, args.workloads, models=args.models,
-               recipes=not args.no_recipes)
+    rep = R.Report("mlx_host", args, argv)
+    rows = run(n, args.k, max_tokens, temperatures, workloads, models=args.models, recipes=not args.no_recipes)
     print()
     print(table(rows))
-    print(f"\n{time.perf_counter() - t0:.0f}s; command: python -m specgrammar_plugins.bench.mlx_host "
+    print(f"\n{time.perf_counter() - rep.t0:.0f}s; command: python -m specgrammar_plugins.bench.mlx_host "
           + " ".join(argv))
+    rep.write({"rows": rows, "blas": preloaded(), "n": n, "k": args.k, "max_tokens": max_tokens}, plot=plot(rows),
+              figsize=(6 * len(temperatures), 4.5))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"rows": rows, "blas": preloaded(), "argv": argv}, f, indent=1)

