@@ -306,3 +306,24 @@ def test_grammar_syntax_of_the_wrong_type_is_a_constraint_error():
                  {"response_format": {"type": "grammar", "grammar": 'root ::= "a"', "syntax": 3}}):
         with pytest.raises(ConstraintError, match="syntax must be a string"):
             parse_request(body)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_no_walk_into_a_surrogate(tok, engine):
+    """Found by the regex fuzz (nightly budget): the dfa engine let ``[^a-z]`` go ED BB, the start of a UTF-16
+    surrogate, which no UTF-8 string holds (the next mask was empty); xgrammar 0.2.8 went on to produce it
+    (b"\\xed\\xbb\\x80", not UTF-8), in regexes and JSON strings alike.  After ED only 80..9F may follow."""
+    ids = {bytes([b]): tok.token_bytes.index(bytes([b])) for b in (0x22, 0xED, 0x80, 0x9F, 0xA0, 0xBB, 0xBF)}
+    for spec, prefix in ((ConstraintSpec.regex("[^a-z]"), b"\xed"),
+                         (ConstraintSpec.json_schema({"type": "string"}), b'"\xed')):
+        if engine == "dfa" and spec.kind != "regex":
+            continue
+        m = compile_constraint(spec, tok, engine=engine, cache=None).matcher()
+        assert all(m.accept(ids[bytes([b])]) for b in prefix)
+        row = new_mask(tok.vocab_size)
+        m.fill_mask(row)
+        allowed = set(allowed_ids(row, tok.vocab_size).tolist())
+        assert {ids[b"\x80"], ids[b"\x9f"]} <= allowed, spec
+        assert not {ids[b"\xa0"], ids[b"\xbb"], ids[b"\xbf"]} & allowed, spec
+        assert not m.fork().accept(ids[b"\xbb"]) and not m.fork().accept_bytes(b"\xbb\x80")
+        assert not m.fork().accept_bytes(b"\x80\xed\xa0\x80")

@@ -16,9 +16,11 @@ from specgrammar_plugins.testing import MarkovRunner
 
 @pytest.fixture
 def limits():
-    saved = (C.LIMITS.max_constraint_bytes, C.LIMITS.compile_timeout_s, C.LIMITS.auto_try_s)
+    saved = (C.LIMITS.max_constraint_bytes, C.LIMITS.compile_timeout_s, C.LIMITS.auto_try_s,
+             C.LIMITS.compile_isolation)
     yield C.LIMITS
-    C.LIMITS.max_constraint_bytes, C.LIMITS.compile_timeout_s, C.LIMITS.auto_try_s = saved
+    (C.LIMITS.max_constraint_bytes, C.LIMITS.compile_timeout_s, C.LIMITS.auto_try_s,
+     C.LIMITS.compile_isolation) = saved
 
 
 def test_exponential_regex_compiles_under_auto_within_bound(toy_tok, limits):
@@ -42,6 +44,34 @@ def test_compile_time_limit_is_a_clear_error(toy_tok, limits):
         compile_constraint(ConstraintSpec.json_schema({"enum": [f"value-{i}" for i in range(30000)]}), toy_tok,
                            engine="xgrammar", cache=None)
     assert time.perf_counter() - t0 < 3
+
+
+@pytest.mark.parametrize("engine,spec", [
+    ("xgrammar", ConstraintSpec.json_schema({"enum": [f"value-{i}" for i in range(30000)]})),
+    ("dfa", ConstraintSpec.regex("(a|b)*a(a|b){25}")),  # interegular builds all 2^25 states
+], ids=["xgrammar-enum", "dfa-exponential"])
+def test_compile_past_the_limit_is_killed_with_process_isolation(toy_tok, limits, engine, spec):
+    """compile_isolation="process" (what the mlx-lm server uses): the compiling worker process is killed at the
+    limit, so nothing keeps running; the next compile gets a fresh worker and a correct grammar."""
+    from pathlib import Path
+
+    from specgrammar_plugins.compile_worker import POOL
+
+    limits.compile_isolation = "process"
+    compile_constraint(ConstraintSpec.regex("[0-9]{2}"), toy_tok, engine=engine, cache=None)  # untimed warm-up
+    killed = POOL.killed
+    limits.compile_timeout_s = 0.5
+    t0 = time.perf_counter()
+    with pytest.raises(ConstraintError, match="abandoned: the compiling process was killed"):
+        compile_constraint(spec, toy_tok, engine=engine, cache=None)
+    assert time.perf_counter() - t0 < 5
+    assert POOL.killed == killed + 1 and not Path(f"/proc/{POOL.last_killed_pid}").exists()
+    limits.compile_timeout_s = 120
+    c = compile_constraint(ConstraintSpec.regex("[0-9]{4}|x"), toy_tok, engine=engine, cache=None)
+    m = c.matcher()
+    assert all(m.accept(t) for t in toy_tok.encode("2024")) and m.accept(toy_tok.eos_token_id)
+    with pytest.raises(ConstraintError, match="engine=" + engine):  # the engine's own refusal crosses over
+        compile_constraint(ConstraintSpec.regex("[0-9"), toy_tok, engine=engine, cache=None)
 
 
 def test_size_limit(toy_tok, limits):

@@ -297,16 +297,26 @@ DEFAULT_ENGINE = "xgrammar"
 @dataclass
 class Limits:
     """Process-wide limits, configurable by environment (``SPECGRAMMAR_MAX_CONSTRAINT_BYTES``,
-    ``SPECGRAMMAR_COMPILE_TIMEOUT_S``) or by assigning ``constraint.LIMITS.<name>``.
+    ``SPECGRAMMAR_COMPILE_TIMEOUT_S``, ``SPECGRAMMAR_COMPILE_ISOLATION``) or by assigning
+    ``constraint.LIMITS.<name>``.
 
-    compile_timeout_s: a compile that takes longer is abandoned: the request gets a ``ConstraintError`` at once and
-    the engine's worker thread (native code cannot be interrupted) finishes in the background, its result dropped.
+    compile_timeout_s: a compile that takes longer is abandoned: the request gets a ``ConstraintError`` at once.
     With ``engine="auto"`` every engine but the last gets ``auto_try_s`` before the next is tried.
+    compile_isolation: how an abandoned compile is stopped, for engines with no resource limits of their own
+    (xgrammar, outlines-core, dfa: ``isolate = True``):
+
+    - ``"process"``: the compile runs in a worker process (``compile_worker``), which is killed at the limit: the
+      CPU and memory it used are given back at once.  The mlx-lm server plugin turns this on.
+    - ``"thread"`` (the library default): the compile runs in a thread; native code cannot be interrupted, so
+      the thread finishes in the background and its result is dropped.
+
+    llguidance always compiles in-process: its own fuel limits bound every compile and mask.
     """
 
     max_constraint_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_CONSTRAINT_BYTES", 1 << 20))
     compile_timeout_s: float = float(os.environ.get("SPECGRAMMAR_COMPILE_TIMEOUT_S", 30.0))
     auto_try_s: float = 2.0
+    compile_isolation: str = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "thread")
 
 
 LIMITS = Limits()
@@ -318,6 +328,12 @@ def _compile_with_timeout(eng, spec, tokenizer, options, timeout: float):
     global _POOL
     if timeout is None or timeout <= 0:
         return eng.compile(spec, tokenizer, options)
+    if LIMITS.compile_isolation == "process" and getattr(eng, "isolate", False):
+        from .compile_worker import POOL
+
+        return POOL.compile(eng, spec, tokenizer, options, timeout)
+    if LIMITS.compile_isolation != "thread":
+        raise ConstraintError(f"compile_isolation must be 'process' or 'thread', got {LIMITS.compile_isolation!r}")
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
 

@@ -53,6 +53,13 @@ def _prefix_range(prefix: bytes) -> tuple[int, int] | None:
         return v
 
     lo, hi = max(cp(lo_b), lo_r), min(cp(hi_b), hi_r)
+    # surrogates (U+D800..U+DFFF) have no UTF-8 encoding: ED A0..BF starts none, ED alone only U+D000..U+D7FF
+    if lo < 0xD800 <= hi:
+        hi = min(hi, 0xD7FF)
+    elif lo <= 0xDFFF < hi:
+        lo = max(lo, 0xE000)
+    elif 0xD800 <= lo <= hi <= 0xDFFF:
+        return None
     if lo > hi:
         return None
     return lo, hi
@@ -332,6 +339,7 @@ class DFAMatcher:
 
 class DFAEngine:
     name = "dfa"
+    isolate = True  # interegular builds the whole DFA: a worker process probes it under compile_isolation
 
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict) -> CompiledConstraint:
         pattern = spec.as_regex()

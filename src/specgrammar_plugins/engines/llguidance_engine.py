@@ -138,6 +138,7 @@ class _Compiled:
 
 class LLGuidanceEngine:
     name = NAME
+    isolate = False  # bounded by its own fuel (LLParserLimits): compiled in-process
 
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict) -> CompiledConstraint:
         import llguidance as llg

@@ -165,6 +165,7 @@ class OCGrammar:
 
 class OutlinesCoreEngine:
     name = NAME
+    isolate = True  # index construction has no limit: a worker process probes it under compile_isolation
 
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict) -> CompiledConstraint:
         import outlines_core as oc

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 
@@ -25,16 +26,40 @@ from ._common import (
 NAME = "xgrammar"
 
 
+def _build_info(tok: TokenizerInfo):
+    import xgrammar as xgr
+
+    return xgr.TokenizerInfo(list(tok.token_bytes), xgr.VocabType.RAW, vocab_size=tok.vocab_size,
+                             stop_token_ids=list(tok.stop_token_ids))
+
+
 def _build_compiler(tok: TokenizerInfo):
     import xgrammar as xgr
 
-    info = xgr.TokenizerInfo(list(tok.token_bytes), xgr.VocabType.RAW, vocab_size=tok.vocab_size,
-                             stop_token_ids=list(tok.stop_token_ids))
     threads = max(1, min(8, os.cpu_count() or 1))
-    return xgr.GrammarCompiler(info, max_threads=threads)
+    return xgr.GrammarCompiler(_INFOS.get(tok), max_threads=threads)
 
 
+_INFOS = PerTokenizerCache(_build_info)
 _COMPILERS = PerTokenizerCache(_build_compiler)
+
+
+def _no_surrogate_row(tok: TokenizerInfo) -> np.ndarray:
+    """Packed row allowing every token except those starting with a byte A0..BF (what may not follow a lone ED)."""
+    keep = np.ones(tok.vocab_size, dtype=bool)
+    for i, b in enumerate(tok.token_bytes[: tok.vocab_size]):
+        if b and 0xA0 <= b[0] <= 0xBF:
+            keep[i] = False
+    from ..constraint import pack_mask
+
+    return pack_mask(keep)
+
+
+# xgrammar 0.2.8 lets a lone ED byte go on with A0..BF, the UTF-8-like encoding of a UTF-16 surrogate
+# (U+D800..U+DFFF), which is not UTF-8: ``[^a-z]`` (or any JSON string) could produce b"\xed\xbb\x80".  The
+# matcher remembers whether the bytes so far end in ED and then clears the tokens that start with A0..BF.
+_NO_SURROGATE = PerTokenizerCache(_no_surrogate_row)
+_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 # ---------------------------------------------------------------------------------------------- engine
@@ -52,6 +77,7 @@ def _json_options(spec: ConstraintSpec, options: dict) -> dict:
 
 class XGrammarEngine:
     name = NAME
+    isolate = True  # no resource limits of its own: compiled in a worker process under compile_isolation="process"
 
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict) -> CompiledConstraint:
         try:
@@ -78,6 +104,20 @@ class XGrammarEngine:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / InvalidJSONError with its reason
             raise ConstraintError(engine_words(e), engine=NAME, kind=spec.kind) from None
+        return self._finish(spec, tokenizer, cg)
+
+    # compile_worker: the compiled grammar crosses the process boundary as xgrammar's own JSON
+    @staticmethod
+    def export(cc: CompiledConstraint) -> str:
+        return cc.compiled.serialize_json()
+
+    def import_compiled(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict, payload: str):
+        import xgrammar as xgr
+
+        return self._finish(spec, tokenizer, xgr.CompiledGrammar.deserialize_json(payload, _INFOS.get(tokenizer)))
+
+    @staticmethod
+    def _finish(spec: ConstraintSpec, tokenizer: TokenizerInfo, cg) -> CompiledConstraint:
         cc = CompiledConstraint(spec, tokenizer, NAME, cg, XGrammarMatcher.start,
                                 memory_bytes=int(getattr(cg, "memory_size_bytes", 0) or 0))
         row = np.zeros(mask_words(tokenizer.vocab_size), dtype=np.int32)
@@ -90,14 +130,15 @@ class XGrammarEngine:
 class XGrammarMatcher:
     """One walk through an xgrammar ``CompiledGrammar``."""
 
-    __slots__ = ("compiled", "tok", "vocab_size", "gm", "book")
+    __slots__ = ("compiled", "tok", "vocab_size", "gm", "book", "ed")
 
-    def __init__(self, compiled: CompiledConstraint, gm, book: StepBook):
+    def __init__(self, compiled: CompiledConstraint, gm, book: StepBook, ed: list[bool] | None = None):
         self.compiled = compiled
         self.tok = compiled.tokenizer
         self.vocab_size = self.tok.vocab_size
         self.gm = gm
         self.book = book
+        self.ed = ed if ed is not None else [False]  # per position (base first): the bytes so far end in ED
 
     @classmethod
     def start(cls, compiled: CompiledConstraint) -> "XGrammarMatcher":
@@ -112,12 +153,20 @@ class XGrammarMatcher:
         self.gm.fill_next_token_bitmask(out)
         if self.vocab_size & 31:  # xgrammar sets the bits past vocab_size in the last word
             clear_past(out, self.vocab_size)
+        if self.ed[-1]:
+            np.bitwise_and(out, _NO_SURROGATE.get(self.tok), out=out)
+
+    def _ends_in_ed(self, data: bytes) -> bool:
+        return data[-1] == 0xED if data else self.ed[-1]
 
     def accept(self, token: int) -> bool:
         if self.book.terminated or not (0 <= token < len(self.tok.token_bytes)):
             return False
+        if self.ed[-1] and 0xA0 <= (self.tok.token_bytes[token][:1] or b"\0")[0] <= 0xBF:
+            return False  # a surrogate (see _NO_SURROGATE)
         if not self.gm.accept_token(token):
             return False
+        self.ed.append(self._ends_in_ed(self.tok.token_bytes[token]))
         self.book.push(1)
         if token in self.tok.stop_token_ids:
             self.book.stop_at = len(self.book) - 1
@@ -128,8 +177,12 @@ class XGrammarMatcher:
             return False
         if not data:
             return True
-        if not self.gm.accept_string(bytes(data)):
+        data = bytes(data)
+        if (self.ed[-1] and 0xA0 <= data[0] <= 0xBF) or _SURROGATE_BYTES.search(data):
+            return False  # a surrogate (see _NO_SURROGATE)
+        if not self.gm.accept_string(data):
             return False
+        self.ed[-1] = self._ends_in_ed(data)
         self.book.merge(1)
         return True
 
@@ -137,11 +190,12 @@ class XGrammarMatcher:
         if n <= 0:
             return
         undo = self.book.pop(n)
+        del self.ed[-n:]
         if undo:
             self.gm.rollback(undo)
 
     def fork(self) -> "XGrammarMatcher":
-        return XGrammarMatcher(self.compiled, self.gm.fork(), self.book.copy())
+        return XGrammarMatcher(self.compiled, self.gm.fork(), self.book.copy(), list(self.ed))
 
     def is_terminated(self) -> bool:
         return self.book.terminated

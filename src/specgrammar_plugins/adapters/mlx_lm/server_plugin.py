@@ -16,6 +16,8 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
   grammar-aware drafts, exact accept/residual verification, both caches left holding exactly prompt + yielded
   tokens.  This also routes around mlx-lm 0.32.2's prompt-cache off-by-one with a draft model (the stock loop
   leaves the target cache one token short of the key it is stored under; the patch fixes the stock path too).
+- compiles past ``SPECGRAMMAR_COMPILE_TIMEOUT_S`` are killed, not left running: the server sets
+  ``compile_isolation="process"`` (``compile_worker``) unless ``SPECGRAMMAR_COMPILE_ISOLATION`` says otherwise.
 - options: ``--specgrammar-engine NAME`` (default: the core's), ``--specgrammar-k N`` (default
   ``--num-draft-tokens``).
 """
@@ -23,6 +25,7 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -59,6 +62,14 @@ def add_arguments(parser):
 def configure(cli_args, model_provider):
     _config["engine"] = getattr(cli_args, "specgrammar_engine", None)
     _config["k"] = getattr(cli_args, "specgrammar_k", None)
+    # a server abandons a compile past the time limit for real: the compiling process is killed (see
+    # compile_worker); SPECGRAMMAR_COMPILE_ISOLATION=thread keeps compiles in-process
+    from ...compile_worker import POOL
+    from ...constraint import LIMITS
+
+    LIMITS.compile_isolation = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "process")
+    if LIMITS.compile_isolation == "process":
+        POOL.prestart()
 
 
 # ---------------------------------------------------------------------------------------------- requests

@@ -1,0 +1,245 @@
+"""Compiling in a child process, so that a compile past the time limit is really abandoned: the process is killed.
+
+Native engine code cannot be interrupted from Python: a compile run in a thread keeps its core busy (and its
+memory) after the request has been answered with the time-limit error.  With ``LIMITS.compile_isolation ==
+"process"`` the engines that have no resource limits of their own (xgrammar, outlines-core, the interegular DFA:
+their ``isolate`` attribute is True) compile in a worker process instead:
+
+- workers are plain ``python -m specgrammar_plugins.compile_worker`` processes (no re-import of the host's
+  ``__main__``, safe from threaded servers), started on first use and kept warm, at most
+  ``SPECGRAMMAR_COMPILE_WORKERS`` (default 2) at a time; start-up, sending a tokenizer and loading an engine
+  (importing xgrammar takes seconds: it imports torch) are not timed;
+- a job that outlives the limit gets its worker SIGKILLed (the compile stops at once, its memory is returned) and
+  the caller a ``ConstraintError``; the next compile starts a fresh worker;
+- a finished job sends back the engine's serialized result when the engine can export one (xgrammar:
+  ``CompiledGrammar.serialize_json``, tens of ms for a schema on a 150k vocabulary); otherwise (outlines-core,
+  dfa) the worker's compile is a probe that proved the compile finishes in time and the caller compiles again
+  in-process.
+
+llguidance stays in-process: its compile is lazy and bounded by its own fuel limits (``LLParserLimits``:
+``initial_lexer_fuel`` 1M ~ 20 ms, ``step_lexer_fuel`` 200k per mask, ``max_grammar_size`` 500k symbols), so it
+cannot run away.
+
+Wire format: length-prefixed pickles over the child's stdin/stdout; the child writes nothing else there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+
+from .errors import ConstraintError
+
+STARTUP_S = 120.0  # a worker's start-up and tokenizer upload are not part of the compile time limit
+
+
+def _send(fh, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    fh.write(struct.pack("<Q", len(data)) + data)
+    fh.flush()
+
+
+def _read_exact(fh, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = fh.read(n - len(buf))
+        if not chunk:
+            raise EOFError("the compile worker closed its pipe")
+        buf += chunk
+    return buf
+
+
+def _recv(fh):
+    (n,) = struct.unpack("<Q", _read_exact(fh, 8))
+    return pickle.loads(_read_exact(fh, n))
+
+
+# ---------------------------------------------------------------------------------------------- the child
+def serve(inp, out) -> None:
+    from .plugins import get_engine
+
+    toks: dict = {}
+    _send(out, ("ready", os.getpid()))
+    while True:
+        try:
+            msg = _recv(inp)
+        except EOFError:
+            return
+        if msg[0] == "tok":
+            toks[msg[1]] = msg[2]
+            _send(out, ("ok",))
+            continue
+        if msg[0] == "import":  # a module to have loaded before the first request (prestart)
+            try:
+                __import__(msg[1])
+            except ImportError:  # pragma: no cover
+                pass
+            _send(out, ("ok",))
+            continue
+        if msg[0] == "prep":  # import the engine and build its per-tokenizer tables, outside the timed compile
+            try:
+                from .constraint import ConstraintSpec
+
+                get_engine(msg[1]).compile(ConstraintSpec.regex("[a-z0-9]"), toks[msg[2]], {})
+            except Exception:
+                pass
+            _send(out, ("ok",))
+            continue
+        _, engine, spec, tok_key, options = msg
+        try:
+            eng = get_engine(engine)
+            cc = eng.compile(spec, toks[tok_key], options)
+            export = getattr(eng, "export", None)
+            _send(out, ("done", export(cc) if export else None))
+        except ConstraintError as e:
+            _send(out, ("error", e.reason, e.engine, e.kind))
+        except Exception as e:  # an engine's own exception: its words under our type, as in-process
+            _send(out, ("error", f"{type(e).__name__}: {e}", engine, spec.kind))
+
+
+# ---------------------------------------------------------------------------------------------- the parent
+class Worker:
+    def __init__(self):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen([sys.executable, "-m", "specgrammar_plugins.compile_worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.toks: set = set()
+        if not self.wait(STARTUP_S):
+            self.kill()
+            raise ConstraintError(f"the compile worker did not start within {STARTUP_S:g} s")
+        self.pid = _recv(self.proc.stdout)[1]
+
+    def wait(self, timeout: float) -> bool:
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return bool(r)
+
+    def call(self, msg, timeout: float):
+        _send(self.proc.stdin, msg)
+        if not self.wait(timeout):
+            return None
+        return _recv(self.proc.stdout)
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):  # pragma: no cover
+            pass
+        for fh in (self.proc.stdin, self.proc.stdout):
+            try:
+                fh.close()
+            except OSError:  # pragma: no cover
+                pass
+
+
+class WorkerPool:
+    def __init__(self, max_workers: int | None = None):
+        self.max_workers = max_workers or int(os.environ.get("SPECGRAMMAR_COMPILE_WORKERS", "2"))
+        self._idle: list[Worker] = []
+        self._count = 0
+        self._cv = threading.Condition()
+        self.killed = 0  # workers killed for running past the limit (for tests and logs)
+        self.last_killed_pid: int | None = None
+
+    def _acquire(self) -> Worker:
+        with self._cv:
+            while not self._idle and self._count >= self.max_workers:
+                self._cv.wait()
+            if self._idle:
+                return self._idle.pop()
+            self._count += 1
+        try:
+            return Worker()
+        except BaseException:
+            self._drop()
+            raise
+
+    def _release(self, w: Worker) -> None:
+        with self._cv:
+            self._idle.append(w)
+            self._cv.notify()
+
+    def _drop(self) -> None:
+        with self._cv:
+            self._count -= 1
+            self._cv.notify()
+
+    def compile(self, eng, spec, tokenizer, options: dict, timeout: float):
+        """Compile ``spec`` with ``eng`` in a worker within ``timeout`` seconds (see the module docstring)."""
+        w = self._acquire()
+        keep = False
+        try:
+            key = (tokenizer.fingerprint, tokenizer.vocab_size)
+            if key not in w.toks:
+                if w.call(("tok", key, dataclasses.replace(tokenizer, encode=None)), STARTUP_S) is None:
+                    raise ConstraintError("the compile worker did not take the tokenizer", engine=eng.name)
+                w.toks.add(key)
+            if (eng.name, key) not in w.toks:
+                if w.call(("prep", eng.name, key), STARTUP_S) is None:
+                    raise ConstraintError("the compile worker did not load the engine", engine=eng.name)
+                w.toks.add((eng.name, key))
+            reply = w.call(("compile", eng.name, spec, key, options), timeout)
+            if reply is None:
+                self.killed += 1
+                self.last_killed_pid = w.pid
+                raise ConstraintError(f"compiling took longer than {timeout:g} s (the compile time limit); "
+                                      "abandoned: the compiling process was killed", engine=eng.name, kind=spec.kind)
+            keep = True
+        except (EOFError, OSError, pickle.UnpicklingError) as e:
+            raise ConstraintError(f"the compile worker died ({type(e).__name__}: {e})", engine=eng.name,
+                                  kind=spec.kind) from None
+        finally:
+            if keep:
+                self._release(w)
+            else:
+                w.kill()
+                self._drop()
+        if reply[0] == "error":
+            raise ConstraintError(reply[1], engine=reply[2], kind=reply[3])
+        importer = getattr(eng, "import_compiled", None)
+        if reply[1] is not None and importer is not None:
+            return importer(spec, tokenizer, options, reply[1])
+        return eng.compile(spec, tokenizer, options)  # the worker proved it finishes in time
+
+    def prestart(self) -> None:
+        """Start one worker in the background (servers call this at start-up, so the first request does not wait
+        for the worker's imports)."""
+
+        def start():
+            try:
+                w = self._acquire()
+            except ConstraintError:  # pragma: no cover - the first compile will say it again
+                return
+            try:
+                ok = w.call(("import", "xgrammar"), STARTUP_S) is not None  # the default engine: seconds to import
+            except (EOFError, OSError):  # pragma: no cover
+                ok = False
+            if ok:
+                self._release(w)
+            else:  # pragma: no cover
+                w.kill()
+                self._drop()
+
+        threading.Thread(target=start, name="specgrammar-compile-prestart", daemon=True).start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            idle, self._idle = self._idle, []
+            self._count -= len(idle)
+        for w in idle:
+            w.kill()
+
+
+POOL = WorkerPool()
+
+
+if __name__ == "__main__":
+    _proto = os.fdopen(os.dup(1), "wb")  # the protocol's own copy of stdout; anything printed goes to stderr
+    os.dup2(2, 1)
+    serve(sys.stdin.buffer, _proto)
