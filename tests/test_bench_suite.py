@@ -69,7 +69,7 @@ def test_strategies_quick(tmp_path):
     _finite([r for r in rows if r["strategy"] in ("blind", "aware", "full")],
             ["acceptance", "accepted_per_round", "grammar_us_per_token"])
     assert len(doc["claims"]) == 2 and all(isinstance(c["pass"], bool) for c in doc["claims"])
-    assert "aware >= blind acceptance" in doc["_stdout"]
+    assert "aware >= blind" in doc["_stdout"]
 
 
 def test_recipes_quick(tmp_path):
@@ -78,8 +78,9 @@ def test_recipes_quick(tmp_path):
     doc = bench(tmp_path, "recipes")
     rows = doc["rows"]
     assert [r["strategy"] for r in rows] == ["greedy", "none", "forced", "model", "pack", "both"]
-    _finite(rows, ["coverage", "forced_share", "model_share", "accuracy_vs_greedy", "passes_per_token",
-                   "tokens_per_s", "speed_vs_baseline"])
+    _finite(rows, ["accuracy_vs_greedy", "passes_per_token", "tokens_per_s", "speed_vs_baseline"])
+    _finite([r for r in rows if r["strategy"] in ("pack", "both")], ["coverage", "forced_share"])
+    _finite([r for r in rows if r["strategy"] in ("model", "both")], ["model_share"])
     assert isinstance(doc["all_equal_greedy"], bool)
     assert "accuracy against greedy" in doc["_stdout"]
 

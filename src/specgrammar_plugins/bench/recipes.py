@@ -11,7 +11,7 @@ Per structured workload, the same eval prompts decoded greedily (T=0) by
     both       forced -> pack -> draft model (the default chain)
 
 Columns: coverage (share of emitted tokens drafted by the pack and accepted), forced share and draft-model share
-(likewise), acceptance, target passes per token, tokens/s (median over interleaved repetitions) and its ratio to
+(likewise; a pack run may span positions the grammar forces, which then count as the pack's), acceptance, target passes per token, tokens/s (median over interleaved repetitions) and its ratio to
 ``greedy`` on the same prompt, and accuracy against greedy (outputs equal to the reference token for token; exact
 verification makes it 100% at T=0, and anything less is a bug, printed as such).  The packs are measured on the eval
 split, which they never saw (they are built from the train split).
@@ -41,12 +41,14 @@ ROWS = (
 
 
 def add_shares(rows: list[dict]) -> list[dict]:
+    drafters = {s.name: s.drafters or () for s in ROWS}
     for r in rows:
         src = r["accepted_by_source"]
         tok = r["tokens"] or 1
-        r["coverage"] = src.get("recipe", 0) / tok
-        r["forced_share"] = src.get("forced", 0) / tok
-        r["model_share"] = src.get("model", 0) / tok
+        have = drafters.get(r["strategy"], ())
+        r["coverage"] = src.get("recipe", 0) / tok if "recipe" in have else None
+        r["forced_share"] = src.get("forced", 0) / tok if "forced" in have else None
+        r["model_share"] = src.get("model", 0) / tok if "model" in have else None
         r["accuracy_vs_greedy"] = r["same_as_baseline"] / r["n"]
     return rows
 

@@ -9,8 +9,9 @@ memory traffic whatever the weights' values (fp32: no data-dependent kernels), s
 
 Backends: ``mlx`` (``mlx_lm.models.qwen2``, mlx-lm's own KV cache) and ``torch`` (transformers' ``Qwen2ForCausalLM``
 with a ``DynamicCache``), each when installed; ``--device cuda`` runs the torch backend on a GPU when torch sees one
-(never required).  Each timing is the median of ``--reps`` passes; between passes the cache is trimmed back to the
-context, so every pass sees the same context length.
+(never required).  Each size is timed ``--reps`` times, the sizes interleaved within each repetition; between
+passes the cache is trimmed back to the context, so every pass sees the same context length.  The ratios use the
+fastest pass of each size (the least disturbed one on a shared machine); the medians are printed beside them.
 
 Then the PROJECTION: with the tokens per target pass measured by ``bench strategies`` (its JSON, ``--strategies``,
 default ``bench-out/strategies/strategies.json`` when present; otherwise a short measurement on the tiny pair through
@@ -21,7 +22,7 @@ mlx-lm), the speedup that acceptance implies at this shape is
 (k = the k those runs used).  It is a projection, not a measurement: it leaves out the drafter's own cost (zero for
 forced tokens and recipe packs, a small model's forward for the draft model) and the grammar's time per token.
 
-    specgrammar bench scale [--backends mlx torch] [--context 256] [--ks 1 2 4 8] [--reps 5] [--device cpu|cuda]
+    specgrammar bench scale [--backends mlx torch] [--context 256] [--ks 1 2 4 8] [--reps 7] [--device cpu|cuda]
                             [--strategies PATH] [--out-dir bench-out/scale] [--quick]
 """
 
@@ -42,13 +43,16 @@ QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                   max_position_embeddings=32768, tie_word_embeddings=True)
 
 
-def _time(fn, reps: int) -> float:
-    ts = []
+def _time_sizes(step, sizes, reps: int) -> dict:
+    """{n: {"median": s, "min": s}} for each size, the sizes interleaved within each repetition (a load change
+    hits every size alike)."""
+    ts: dict = {n: [] for n in sizes}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        for n in sizes:
+            t0 = time.perf_counter()
+            step(n)()
+            ts[n].append(time.perf_counter() - t0)
+    return {n: {"median": statistics.median(v), "min": min(v)} for n, v in ts.items()}
 
 
 def measure_mlx(shape: dict, context: int, ks, reps: int, seed: int = 0) -> dict:
@@ -78,7 +82,7 @@ def measure_mlx(shape: dict, context: int, ks, reps: int, seed: int = 0) -> dict
         return f
 
     step(1)()  # warm-up (kernels, allocator)
-    times = {n: _time(step(n), reps) for n in [1, *[k + 1 for k in ks]]}
+    times = _time_sizes(step, [1, *[k + 1 for k in ks]], reps)
     del model, cache
     gc.collect()
     return {"backend": "mlx", "device": "cpu", "params": int(n_params), "times": times}
@@ -116,7 +120,7 @@ def measure_torch(shape: dict, context: int, ks, reps: int, device: str = "cpu",
             return f
 
         step(1)()
-        times = {n: _time(step(n), reps) for n in [1, *[k + 1 for k in ks]]}
+        times = _time_sizes(step, [1, *[k + 1 for k in ks]], reps)
     del model, cache
     gc.collect()
     return {"backend": "torch", "device": device, "threads": torch.get_num_threads(), "params": int(n_params),
@@ -155,14 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="torch device (cpu, or cuda when torch sees a GPU)")
     ap.add_argument("--context", type=int, default=None, help="tokens in the KV cache (default 256; quick 128)")
     ap.add_argument("--ks", type=int, nargs="+", default=None, help="draft lengths (default 1 2 4 8; quick 1 4)")
-    ap.add_argument("--reps", type=int, default=None, help="timed passes per size, median (default 5; quick 2)")
+    ap.add_argument("--reps", type=int, default=None, help="timed passes per size (default 7; quick 2)")
     ap.add_argument("--strategies", type=Path, default=Path("bench-out/strategies/strategies.json"),
                     help="a bench strategies JSON with the measured acceptance (measured now when absent)")
     R.add_common_args(ap, "scale")
     a = ap.parse_args(argv)
     context = a.context or (128 if a.quick else 256)
     ks = a.ks or ([1, 4] if a.quick else [1, 2, 4, 8])
-    reps = a.reps or (2 if a.quick else 5)
+    reps = a.reps or (2 if a.quick else 7)
     backends = a.backends or [b for b in ("mlx", "torch") if _installed(b)]
     if a.device != "cpu":
         import torch
@@ -181,37 +185,44 @@ def main(argv: list[str] | None = None) -> int:
     for b in R.progress(backends, "scale", disable=a.no_progress):
         m = measure_mlx(QWEN25_05B, context, ks, reps) if b == "mlx" else \
             measure_torch(QWEN25_05B, context, ks, reps, a.device)
-        t1 = m["times"][1]
-        m["rows"] = [{"k": k, "t1_ms": 1e3 * t1, "tk1_ms": 1e3 * m["times"][k + 1],
-                      "cost_ratio": m["times"][k + 1] / t1} for k in ks]
+        t = {n: v["min"] for n, v in m["times"].items()}
+        m["rows"] = [{"k": k, "t1_ms": 1e3 * t[1], "tk1_ms": 1e3 * t[k + 1], "cost_ratio": t[k + 1] / t[1],
+                      "t1_median_ms": 1e3 * m["times"][1]["median"],
+                      "tk1_median_ms": 1e3 * m["times"][k + 1]["median"]} for k in ks]
         results.append(m)
     acc = acceptance(a.strategies, a.quick, not a.no_progress)
     kk = acc["k"]
     proj = []
     for m in results:
-        t1 = m["times"][1]
-        tk = m["times"].get(kk + 1)
-        if tk is None:  # the measured k is not among --ks: time it as well would cost a model load; interpolate
-            tk = _interpolate(m["times"], kk + 1)
+        t = {n: v["min"] for n, v in m["times"].items()}
+        t1 = t[1]
+        tk = t.get(kk + 1)
+        if tk is None:  # the measured k is not among --ks (timing it would cost another model load): interpolate
+            tk = _interpolate(t, kk + 1)
         for r in acc["rows"]:
             proj.append({"backend": m["backend"], "device": m["device"], **r, "k": kk,
                          "t1_ms": 1e3 * t1, "tk1_ms": 1e3 * tk,
                          "projected_speedup": r["tokens_per_pass"] * t1 / tk})
     print(f"\nbench scale: Qwen2.5-0.5B shape (hidden 896, 24 layers, 14/2 heads, intermediate 4864, vocab 151,936), "
-          f"fp32, random weights, context {context}, median of {reps}, BLAS: {preloaded()}\n")
+          f"fp32, random weights, context {context}, {reps} interleaved repetitions per size: fastest (median), "
+          f"BLAS: {preloaded()}\n")
     print(R.md_table(["backend", "device", "params", "k", "t(1) ms", "t(k+1) ms", "t(k+1)/t(1)"],
-                     [[m["backend"], m["device"], f"{m['params'] / 1e6:.0f}M", r["k"], f"{r['t1_ms']:.1f}",
-                       f"{r['tk1_ms']:.1f}", f"{r['cost_ratio']:.2f}"] for m in results for r in m["rows"]],
-                     right=range(2, 7)))
+                     [[m["backend"], m["device"], f"{m['params'] / 1e6:.0f}M", r["k"],
+                       f"{r['t1_ms']:.0f} ({r['t1_median_ms']:.0f})", f"{r['tk1_ms']:.0f} ({r['tk1_median_ms']:.0f})",
+                       f"{r['cost_ratio']:.2f}"] for m in results for r in m["rows"]], right=range(2, 7)))
     print(f"\nPROJECTION (not a measurement): tokens per target pass from {acc['source']} (k={kk}, "
           f"T={acc['temperature']:g}) x t(1)/t(k+1) at this shape; the drafter's and the grammar's own time are "
           "left out.\n")
-    print(R.md_table(["backend", "host", "workload", "strategy", "tokens / target pass", "PROJECTED speedup"],
-                     [[p["backend"], p["host"], p["workload"], p["strategy"], f"{p['tokens_per_pass']:.2f}",
-                       f"{p['projected_speedup']:.2f}x"] for p in proj], right=(4, 5)))
+    backs = [f"{m['backend']} ({m['device']})" for m in results]
+    get = {(p["workload"], p["strategy"], f"{p['backend']} ({p['device']})"): p for p in proj}
+    keys = list(dict.fromkeys((p["workload"], p["strategy"]) for p in proj))
+    print(R.md_table(["workload", "strategy", "tokens / target pass", *[f"PROJECTED speedup, {b}" for b in backs]],
+                     [[w, s, f"{get[w, s, backs[0]]['tokens_per_pass']:.2f}",
+                       *[f"{get[w, s, b]['projected_speedup']:.2f}x" for b in backs]] for w, s in keys],
+                     right=range(2, 3 + len(backs))))
     print(f"\n{time.perf_counter() - rep.t0:.0f}s; command: specgrammar bench scale {' '.join(argv)}")
     for m in results:
-        m["times"] = {str(n): t for n, t in m["times"].items()}
+        m["times"] = {str(n): v for n, v in m["times"].items()}
     rep.write({"shape": QWEN25_05B, "dtype": "float32", "weights": "random (forward cost does not depend on them)",
                "context": context, "ks": ks, "reps": reps, "blas": preloaded(), "results": results,
                "acceptance": acc, "projection": proj,
