@@ -171,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     reexec_with_openblas("specgrammar_plugins.bench.strategies", argv)
     ap = argparse.ArgumentParser(prog="specgrammar bench strategies", description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", nargs="+", default=list(HOSTS), choices=list(HOSTS))
-    ap.add_argument("--workloads", nargs="+", default=None, help=f"default: {' '.join(WORKLOADS)}")
+    from ..workloads import STRUCTURED
+
+    ap.add_argument("--workloads", nargs="+", default=None, choices=list(STRUCTURED),
+                    help=f"default: {' '.join(WORKLOADS)}")
     ap.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     ap.add_argument("--n", type=int, default=None, help="eval prompts = interleaved repetitions (default 20; quick 1)")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
