@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specgrammar bench coverage", description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=None, help="first N schemas (sorted by file name)")
     ap.add_argument("--stride", type=int, default=1, help="take every Nth schema")
-    ap.add_argument("--engines", default="llguidance,xgrammar,outlines_core,auto")
+    ap.add_argument("--engines", default="llguidance,auto",
+                    help="comma-separated (default llguidance,auto: about a minute on the full corpus; xgrammar and "
+                         "outlines_core compile some schemas for up to a minute each, so on the full corpus they take "
+                         "hours: give them with --limit/--stride)")
     ap.add_argument("--out", default="bench-out/coverage.json")
     ap.add_argument("--quick", action="store_true", help="40 schemas, llguidance and auto")
     ap.add_argument("--out-dir", default=None, help="write coverage.json and coverage.png here (overrides --out)")
