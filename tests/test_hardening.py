@@ -213,3 +213,38 @@ def test_an_empty_mask_mid_walk_is_an_empty_mask_error(toy_tok, engine):
             generate(MarkovRunner(toy_tok.vocab_size, valid=len(toy_tok.token_bytes)), [1], constraint=c,
                      params=GREEDY, max_tokens=8, seed=0)
     assert time.perf_counter() - t0 < 5.0
+
+
+class _Scripted(MarkovRunner):
+    """Prefers the next token of ``script`` (by output position) by a wide margin: greedy follows it wherever the
+    mask allows it."""
+
+    def __init__(self, vocab_size, valid, script, prompt_len):
+        super().__init__(vocab_size, valid=valid)
+        self.script, self.prompt_len = script, prompt_len
+
+    def logits_after(self, a, b):
+        z = super().logits_after(a, b)
+        i = len(self.tokens) - self.prompt_len
+        z[self.script[min(i, len(self.script) - 1)]] += 100.0
+        return z
+
+
+@pytest.mark.parametrize("engine", ["dfa", "xgrammar", "llguidance"])
+def test_prompt_that_already_contains_the_trigger(toy_tok, engine):
+    """The prompt ends with the trigger (and, second, with half of it): only a trigger the model generates switches
+    the constraint on.  Before it the model writes freely ('xy', 'nk>' completing the prompt's half does not
+    count), after it the constraint holds: the scripted 'zz' is masked and digits come instead."""
+    c = compile_constraint(ConstraintSpec.regex("[0-9]{4}", trigger="</think>"), toy_tok, engine=engine, cache=None)
+    t0 = time.perf_counter()
+    for prompt_text, script_text, expect in (("</think>", "xy</think>2024", b"xy</think>2024"),
+                                             ("</thi", "nk>x</think>zz", b"nk>x</think>")):
+        prompt = toy_tok.encode(prompt_text)
+        script = toy_tok.encode(script_text) + [toy_tok.eos_token_id]
+        runner = _Scripted(toy_tok.vocab_size, len(toy_tok.token_bytes), script, len(prompt))
+        out, st = generate(runner, prompt, constraint=c, params=GREEDY, max_tokens=24, seed=0)
+        text = toy_tok.decode([t for t in out if t != toy_tok.eos_token_id])
+        assert text.startswith(expect), (prompt_text, text)
+        after = text.split(b"</think>", 1)[1]
+        assert after.isdigit() and len(after) == 4 and out[-1] == toy_tok.eos_token_id, text
+    assert time.perf_counter() - t0 < 5
