@@ -248,3 +248,17 @@ def test_prompt_that_already_contains_the_trigger(toy_tok, engine):
         after = text.split(b"</think>", 1)[1]
         assert after.isdigit() and len(after) == 4 and out[-1] == toy_tok.eos_token_id, text
     assert time.perf_counter() - t0 < 5
+
+
+def test_compiled_grammars_are_held_only_by_the_bounded_cache(toy_tok):
+    """xgrammar's GrammarCompiler cached every grammar it ever compiled (no limit by default), past our LRU: 600
+    distinct schemas grew it by ~10 MB on a 1k vocabulary.  Now only ``CompileCache`` holds them."""
+    from specgrammar_plugins.constraint import CompileCache
+    from specgrammar_plugins.engines.xgrammar_engine import _COMPILERS
+
+    cache = CompileCache(max_entries=4)
+    for i in range(40):
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        compile_constraint(ConstraintSpec.json_schema(schema), toy_tok, engine="xgrammar", cache=cache)
+    assert len(cache) == 4
+    assert _COMPILERS.get(toy_tok).get_cache_size_bytes() == 0
