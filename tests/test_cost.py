@@ -174,3 +174,83 @@ def test_structural_cost_estimate(toy_tok):
     assert j_open == 1 + 1 + cost.key_cost["a"] and cost.key_cost["a"] == len(enc(', "a": ""'))
     d = cost.delta(enc('{"a":"x"'))
     assert d[toy_tok.token_bytes.index(b"}")] < d[toy_tok.token_bytes.index(b",")]
+
+
+# ------------------------------------------------------------------------------ regular forms of CFG constraints
+def _shortest_walk(cost, tok, limit=200):
+    """Follow Delta == 0 tokens (ties: lowest id) from the start; (tokens, J0)."""
+    out, j0 = [], cost.cost_to_go([])
+    for _ in range(limit):
+        d = cost.delta(out)
+        t = int(np.argmin(d))
+        assert d[t] == 0.0
+        if t in tok.stop_token_ids:
+            return out, j0
+        out.append(t)
+    raise AssertionError("no end")
+
+
+@pytest.mark.parametrize("workload", ["json_extraction", "tool_call", "sql"])
+def test_cfg_workloads_get_the_exact_cost_and_its_shortest_way_is_valid(workload):
+    """JSON Schemas without recursion and GBNF without recursion are regular: J is exact there.  Following the
+    Delta = 0 tokens from the start gives an output of exactly J0 - 1 tokens (+ stop) that the real engine
+    accepts and the workload's validator passes; J never exceeds what a reference answer still needs."""
+    from specgrammar_plugins import workloads as W
+    from specgrammar_plugins.cost import cost_model_for
+    from specgrammar_plugins.models import tiny_tokenizer_info
+
+    tok = tiny_tokenizer_info()
+    spec = W.constraint(workload)
+    compiled = compile_constraint(spec, tok)
+    cost = cost_model_for(compiled)
+    assert isinstance(cost, RegularCost) and cost.fallback is not None
+    walk, j0 = _shortest_walk(cost, tok)
+    assert len(walk) + 1 == j0
+    m = compiled.matcher()
+    for t in walk + [min(tok.stop_token_ids)]:
+        assert m.accept(t)
+    assert m.is_terminated()
+    assert W.is_valid(workload, bytes(tok.decode(walk)).decode("utf-8"))
+    for ex in W.examples(workload, "eval", 5):
+        ids = tok.encode(ex.reference)
+        for i in range(len(ids) + 1):
+            assert cost.cost_to_go(ids[:i]) <= len(ids) - i + 1
+
+
+def test_leaving_the_regular_sub_language_falls_back_to_the_estimate(toy_tok):
+    from specgrammar_plugins.cost import cost_model_for
+
+    spec = ConstraintSpec.json_schema({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
+                                       "additionalProperties": False})
+    cost = cost_model_for(compile_constraint(spec, toy_tok, engine="llguidance"))
+    assert isinstance(cost, RegularCost)
+    inside = toy_tok.encode('{"a": "x')
+    outside = toy_tok.encode('{\n  "a": "x')  # the engine allows the newline; outlines' regex does not
+    assert cost._state(inside) is not None and cost._state(outside) is None
+    j = cost.cost_to_go(outside)
+    assert j == cost.fallback.cost_to_go(outside) and np.isfinite(j)
+    d_in = cost.delta(inside)
+    # inside, a token outside the sub-language is discouraged (Delta >= 1) but not forbidden like masked ones
+    nl = toy_tok.token_bytes.index(b"\n") if b"\n" in toy_tok.token_bytes else None
+    if nl is not None:
+        assert 1.0 <= d_in[nl] < 1e6
+
+
+def test_gbnf_to_regex():
+    import re
+
+    from specgrammar_plugins import workloads as W
+    from specgrammar_plugins.gbnf import to_regex
+
+    r = to_regex(W.SQL_GBNF)
+    samples = ["SELECT * FROM users;", "SELECT a, b FROM t WHERE x = 'ab c' AND y >= 3 ORDER BY a DESC LIMIT 5;",
+               "SELECT FROM x;", "SELECT * FROM users WHERE age < 3", "SELECT * FROM t LIMIT ;", "SELECT *  FROM t;"]
+    for s in samples:
+        assert bool(re.fullmatch(r, s)) == bool(re.fullmatch(W.SQL_REGEX, s)), s
+    assert to_regex('root ::= "a" root | "b"') is None  # recursion: not regular by construction
+    assert to_regex('root ::= x\nx ::= "(" x ")" | ""') is None
+    assert to_regex('root ::= undefined') is None
+    r2 = to_regex('root ::= [a-c\\-]{2,3} "\\x41\\n" ("." | [^x])? # comment\n')
+    for s, ok in [("ab-A\n", True), ("a-A\n", True), ("aA\n", False), ("abcA\n.", True), ("abcA\nx", False),
+                  ("abcdA\n", False)]:
+        assert bool(re.fullmatch(r2, s)) == ok, s

@@ -7,9 +7,13 @@ Costs are counted in TOKENS (the unit of max_tokens), and J includes the stop to
 J = 1 in a state where the grammar may end.  Delta >= 0, and Delta(a) = 0 exactly for the tokens on a shortest
 way to the end, so lambda -> infinity follows a shortest completion.
 
-- ``RegularCost``: exact for regular constraints (regex, choice): the fewest tokens from the current DFA state to
-  termination, by a backward BFS over the token-level transition graph of the reference DFA engine, precomputed
-  once per compiled constraint (cached).
+- ``RegularCost``: exact for regular languages: the fewest tokens from the current DFA state to termination, by a
+  backward BFS over the token-level transition graph of the reference DFA engine, precomputed once per compiled
+  constraint (cached).  Regular languages are more than regex and choice: ``regular_form`` also gives a regex for
+  a JSON Schema without recursion (outlines-core's schema-to-regex: fixed key order, optional single spaces) and
+  for a GBNF grammar in which no rule reaches itself (``gbnf.to_regex`` inlines the rules).  There the regex can
+  be a sub-language of what the engine enforces (other whitespace, another key order): J is exact while the
+  output stays inside it, and ``StructuralCost`` takes over for the request once it leaves.
 - ``StructuralCost``: an ESTIMATE for context-free constraints (JSON Schema, any-JSON, GBNF): one token per open
   bracket/string still to close, plus ``prop_cost`` tokens per required JSON-Schema property still missing in each
   open object, plus 1 for the stop token.  Documented as an estimate: the tilt is still an exact law (q_lambda is
@@ -26,6 +30,7 @@ Caveat: with lambda > 0 the output law is q_lambda, not the untilted target law.
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from typing import Protocol, Sequence
 
@@ -50,45 +55,68 @@ class CostModel(Protocol):
 class RegularCost:
     """Exact fewest-tokens-to-termination for a regular constraint, from the reference DFA engine."""
 
-    def __init__(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, token_cost: np.ndarray | None = None):
+    def __init__(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, token_cost: np.ndarray | None = None,
+                 fallback: "CostModel | None" = None):
         from .engines.dfa import DFAGrammar
 
-        pattern = spec.as_regex()
+        pattern = regular_form(spec)
         if pattern is None:
-            raise ValueError("RegularCost needs a regular constraint (regex or choice)")
+            raise ValueError("RegularCost needs a regular constraint (regex, choice, a JSON Schema without "
+                             "recursion or a GBNF grammar without recursion)")
         self.tok = tokenizer
         self.width = tokenizer.vocab_size
-        self.compiled = compile_constraint(spec.without_trigger(), tokenizer, engine="dfa")
+        self.fallback = fallback  # for outputs that leave a regular sub-language of the constraint
+        self.compiled = compile_constraint(ConstraintSpec.regex(pattern), tokenizer, engine="dfa")
         g: DFAGrammar = self.compiled.compiled
         self.g = g
         self.token_cost = token_cost
-        # token-level graph over reachable states
-        ids = [i for i, b in enumerate(tokenizer.token_bytes) if b and i not in tokenizer.special_ids]
+        # Token-level graph over the states reachable at character boundaries.  A token ending inside a
+        # multi-byte character leads to a "partial" state (DFA state + pending bytes); those are not expanded
+        # here (a free string admits ~10^5 of them: 100+ s on a 1k vocabulary) but on demand when an output
+        # reaches one (``_j``).  J is thus the fewest tokens over ways that pass through whole characters,
+        # which is every way for ASCII targets; if no such way ends, everything is expanded (capped).
+        self.ids = [i for i, b in enumerate(tokenizer.token_bytes) if b and i not in tokenizer.special_ids]
         start = (g.dfa.initial, b"")
-        succ: dict[tuple, dict[int, tuple]] = {}
+        self.succ: dict[tuple, dict[int, tuple]] = {}
+        self.J: dict[tuple, float] = {}
+        self._explore(start, partial=False)
+        if self.J.get(start, INF) == INF:
+            self._explore(start, partial=True)
+        self._delta_cache: dict[tuple, np.ndarray] = {}
+        self._hist: list[tuple] = [start]
+        self._fed: list[int] = []
+
+    MAX_STATES = 50000
+
+    def _edges(self, st: tuple) -> dict[int, tuple]:
+        e = self.succ.get(st)
+        if e is None:
+            tb = self.tok.token_bytes
+            e = {t: n for t in self.ids if (n := self.g.walk(st, tb[t])) is not None}
+            self.succ[st] = e
+        return e
+
+    def _explore(self, start: tuple, partial: bool) -> None:
+        seen = {start}
         todo = deque([start])
         while todo:
             st = todo.popleft()
-            if st in succ:
-                continue
-            edges = {}
-            for t in ids:
-                nxt = g.walk(st, tokenizer.token_bytes[t])
-                if nxt is not None:
-                    edges[t] = nxt
-                    if nxt not in succ:
-                        todo.append(nxt)
-            succ[st] = edges
-        self.succ = succ
+            for n in self._edges(st).values():
+                if n not in seen and (partial or not n[1]):
+                    seen.add(n)
+                    todo.append(n)
+                    if len(seen) > self.MAX_STATES:
+                        raise ValueError(f"more than {self.MAX_STATES} token-level states")
         # J by backward BFS (unit token costs): J(s) = 1 if s accepts (the stop token), else 1 + min J(next)
         rev: dict[tuple, set] = {}
-        for s, edges in succ.items():
-            for n in edges.values():
-                rev.setdefault(n, set()).add(s)
-        J = {s: INF for s in succ}
+        for s in seen:
+            for n in self.succ[s].values():
+                if n in seen:
+                    rev.setdefault(n, set()).add(s)
+        J = {s: INF for s in seen}
         q = deque()
-        for s in succ:
-            if g.accepts(s):
+        for s in seen:
+            if self.g.accepts(s):
                 J[s] = 1.0
                 q.append(s)
         while q:
@@ -97,10 +125,18 @@ class RegularCost:
                 if J[p] > J[s] + 1:
                     J[p] = J[s] + 1
                     q.append(p)
-        self.J = J
-        self._delta_cache: dict[tuple, np.ndarray] = {}
-        self._hist: list[tuple] = [start]
-        self._fed: list[int] = []
+        self.J.update(J)
+
+    def _j(self, st: tuple, depth: int = 0) -> float:
+        """J of a state, expanding a partial one on demand (a few tokens finish its character)."""
+        j = self.J.get(st)
+        if j is None:
+            j = INF
+            if depth < 4:
+                for n in self._edges(st).values():
+                    j = min(j, 1.0 + self._j(n, depth + 1))
+            self.J[st] = j
+        return j
 
     def _state(self, generated: Sequence[int]) -> tuple | None:
         fed = self._fed
@@ -114,7 +150,7 @@ class RegularCost:
             elif t in self.tok.stop_token_ids:
                 nxt = ("<end>",) if self.g.accepts(st) else None
             else:
-                nxt = self.succ.get(st, {}).get(int(t)) if st != ("<end>",) else None
+                nxt = self._edges(st).get(int(t)) if st != ("<end>",) else None
             fed.append(int(t))
             self._hist.append(nxt)
         return self._hist[-1]
@@ -123,26 +159,63 @@ class RegularCost:
         st = self._state(generated)
         if st == ("<end>",):
             return 0.0
-        return INF if st is None else self.J.get(st, INF)
+        if st is None and self.fallback is not None:
+            return self.fallback.cost_to_go(generated)
+        return INF if st is None else self._j(st)
 
     def delta(self, generated: Sequence[int]) -> np.ndarray:
         st = self._state(generated)
+        if st is None and self.fallback is not None:
+            return self.fallback.delta(generated)
         if st is None or st == ("<end>",):
             return np.zeros(self.width)
         d = self._delta_cache.get(st)
+        if d is None and self.fallback is not None:
+            # tokens the sub-language lacks but the engine may allow (other whitespace, another key order): they
+            # are off every shortest way, so Delta >= 1; the estimate's Delta above that.  Not forbidden outright
+            # as masked tokens are (1e9), which a small lambda would do.  Not cached: the estimate is per prefix.
+            base = np.maximum(self.fallback.delta(generated), 1.0)
+            d = self._fill(st, base)
+            return d + self.token_cost - 1.0 if self.token_cost is not None else d
         if d is None:
-            j = self.J[st]
-            d = np.full(self.width, 1e9)  # unreachable/forbidden tokens: masked anyway
-            for t, n in self.succ[st].items():
-                d[t] = self.J[n] - j + 1.0
-            if self.g.accepts(st):
-                for s in self.tok.stop_token_ids:
-                    if s < self.width:
-                        d[s] = 0.0 - j + 1.0
+            d = self._fill(st, np.full(self.width, 1e9))  # unreachable/forbidden tokens: masked anyway
             self._delta_cache[st] = d
         if self.token_cost is not None:
             return d + self.token_cost - 1.0
         return d
+
+    def _fill(self, st: tuple, d: np.ndarray) -> np.ndarray:
+        """``d`` with the exact Delta of every token the DFA allows in ``st`` (and of the stop tokens)."""
+        j = self._j(st)
+        for t, n in self._edges(st).items():
+            d[t] = self._j(n) - j + 1.0
+        if self.g.accepts(st):
+            for s in self.tok.stop_token_ids:
+                if s < self.width:
+                    d[s] = 0.0 - j + 1.0
+        return d
+
+
+def regular_form(spec: ConstraintSpec) -> str | None:
+    """A regex for the constraint's language (or a regular sub-language of it) when there is one: regex and choice
+    as given, a JSON Schema without recursion through outlines-core's schema-to-regex, a GBNF grammar whose rules
+    never reach themselves through ``gbnf.to_regex``.  None otherwise (recursive grammars, Lark/EBNF, any-JSON)."""
+    pattern = spec.as_regex()
+    if pattern is not None:
+        return pattern
+    if spec.kind == "json_schema":
+        try:
+            from outlines_core.json_schema import build_regex_from_schema
+
+            pattern = build_regex_from_schema(spec.value if isinstance(spec.value, str) else json.dumps(spec.value))
+        except Exception:  # recursion, a keyword it lacks, or outlines-core not installed
+            return None
+        return pattern if len(pattern) <= 20000 else None
+    if spec.kind == "grammar" and spec.syntax == "gbnf":
+        from .gbnf import to_regex
+
+        return to_regex(spec.value)
+    return None
 
 
 # ------------------------------------------------------------------------------------------- CFG: an estimate
@@ -328,9 +401,11 @@ class StructuralCost:
 def cost_model_for(compiled: CompiledConstraint, token_cost: np.ndarray | None = None) -> CostModel:
     """The built-in cost model for a compiled constraint: exact for regular ones, an estimate otherwise."""
     spec = compiled.spec
-    if spec.as_regex() is not None:
+    exact = spec.as_regex() is not None
+    if exact or regular_form(spec) is not None:
+        fallback = None if exact else StructuralCost(compiled.tokenizer, spec, token_cost=token_cost)
         try:
-            return RegularCost(spec, compiled.tokenizer, token_cost)
+            return RegularCost(spec, compiled.tokenizer, token_cost, fallback=fallback)
         except Exception:  # e.g. a regex interegular cannot read: fall back to the estimate
             pass
     return StructuralCost(compiled.tokenizer, spec, token_cost=token_cost)
@@ -413,4 +488,4 @@ def make_tilt(compiled: CompiledConstraint | None, *, lam: float | None = None, 
                 budget=budget if budget is not None else max_tokens)
 
 
-__all__ = ["CostModel", "RegularCost", "StructuralCost", "Tilt", "cost_model_for", "make_tilt"]
+__all__ = ["CostModel", "RegularCost", "StructuralCost", "Tilt", "cost_model_for", "make_tilt", "regular_form"]

@@ -185,3 +185,128 @@ def fill_empty_alternatives(gbnf: str) -> str:
 def normalize_gbnf(text: str) -> str:
     """Both rewrites; the language is unchanged (tests/test_gbnf.py checks it on samples)."""
     return fill_empty_alternatives(rewrite_class_star(text))
+
+
+# ---------------------------------------------------------------------------------------------- regular form
+_ESC = {"n": "\n", "t": "\t", "r": "\r"}
+
+
+def read_char(text: str, i: int) -> tuple[str, int]:
+    """The character a GBNF literal or class spells at ``text[i]`` (escapes ``\\n \\t \\r \\xHH \\uHHHH
+    \\UHHHHHHHH``, any other escaped character as itself) and the index after it.  ValueError on a bad hex."""
+    c = text[i]
+    if c == "\\" and i + 1 < len(text):
+        e = text[i + 1]
+        width = {"x": 2, "u": 4, "U": 8}.get(e)
+        if width:
+            return chr(int(text[i + 2:i + 2 + width], 16)), i + 2 + width
+        return _ESC.get(e, e), i + 2
+    return c, i + 1
+
+
+def class_items(cls: str) -> tuple[bool, list[str | None]]:
+    """A GBNF ``[...]`` class as (negated, characters), ``None`` standing for the dash of a range."""
+    inner = cls[1:-1]
+    negated = inner.startswith("^")
+    items: list[str | None] = []
+    i = 1 if negated else 0
+    while i < len(inner):
+        is_range = inner[i] == "-" and bool(items) and i + 1 < len(inner)
+        ch, i = read_char(inner, i)
+        items.append(None if is_range else ch)
+    return negated, items
+
+
+def _literal_text(body: str) -> str:
+    """The characters a GBNF ``"..."`` literal (without its quotes) stands for."""
+    out, i = [], 0
+    while i < len(body):
+        ch, i = read_char(body, i)
+        out.append(ch)
+    return "".join(out)
+
+
+def _escape_char(ch: str) -> str:
+    if ch.isalnum() or ch in " _,;:'\"@#%&=<>!~`":
+        return ch
+    return f"\\x{ord(ch):02x}" if ord(ch) < 0x80 else ch  # interegular reads no \\u escapes: non-ASCII as is
+
+
+def _class_regex(cls: str) -> str:
+    """A GBNF ``[...]`` class as a regex class: every member escaped, ranges kept."""
+    negated, items = class_items(cls)
+    return "[" + ("^" if negated else "") + "".join("-" if ch is None else _escape_char(ch) for ch in items) + "]"
+
+
+def to_regex(gbnf: str, max_len: int = 20000) -> str | None:
+    """The grammar as one regex when its language is regular because no rule reaches itself (rules are inlined),
+    else None.  None too when the grammar uses what this reader does not know, or the regex would exceed
+    ``max_len`` characters.  The language is the grammar's own (tests check it against samples)."""
+    text = strip_comments(gbnf)
+    starts = [m for m in re.finditer(r"(?m)^[ \t]*([A-Za-z0-9_-]+)[ \t]*::=", text)]
+    if not starts:
+        return None
+    rules: dict[str, str] = {}
+    for m, nxt in zip(starts, starts[1:] + [None]):
+        rules[m.group(1)] = text[m.end(): nxt.start() if nxt else len(text)]
+    if "root" not in rules:
+        return None
+    done: dict[str, str] = {}
+
+    def rule(name: str, stack: tuple) -> str:
+        if name in done:
+            return done[name]
+        if name in stack or name not in rules:
+            raise ValueError(name)
+        r = "(?:" + expr(rules[name], stack + (name,)) + ")"
+        if len(r) > max_len:
+            raise ValueError("too long")
+        done[name] = r
+        return r
+
+    def expr(body: str, stack: tuple) -> str:
+        out, i, n = [], 0, len(body)
+        while i < n:
+            c = body[i]
+            if c.isspace():
+                i += 1
+            elif c == '"':
+                j = _skip_literal(body, i)
+                out.append("".join(_escape_char(ch) for ch in _literal_text(body[i + 1:j - 1])))
+                i = j
+            elif c == "[":
+                j = _skip_literal(body, i)
+                out.append(_class_regex(body[i:j]))
+                i = j
+            elif c == "(":
+                j = _match_paren(body, i)
+                out.append("(?:" + expr(body[i + 1:j], stack) + ")")
+                i = j + 1
+            elif c == "|":
+                out.append("|")
+                i += 1
+            elif c in "*+?":
+                out.append(c)
+                i += 1
+            elif c == "{":
+                j = body.index("}", i)
+                if not re.fullmatch(r"\{\s*\d*\s*(,\s*\d*\s*)?\}", body[i:j + 1]):
+                    raise ValueError(body[i:j + 1])
+                out.append(re.sub(r"\s", "", body[i:j + 1]))
+                i = j + 1
+            elif c == ".":
+                out.append("(?:[^\\n]|\\n)")
+                i += 1
+            else:
+                m = _NAME.match(body, i)
+                if not m:
+                    raise ValueError(c)
+                out.append(rule(m.group(), stack))
+                i = m.end()
+        return "".join(out)
+
+    try:
+        r = rule("root", ())
+    except (ValueError, IndexError):
+        return None
+    return r if len(r) <= max_len else None
