@@ -326,6 +326,11 @@ _SLOW: set[tuple] = set()  # (spec key, tokenizer, engine) that ran out of compi
 
 def _compile_with_timeout(eng, spec, tokenizer, options, timeout: float):
     global _POOL
+    prepare = getattr(eng, "prepare", None)
+    if prepare is not None:
+        # the engine's per-tokenizer set-up (its import, vocabulary index: importing xgrammar imports
+        # transformers, 5-15 s on a loaded 2-core machine) is not the grammar's compile: outside the limit
+        prepare(tokenizer)
     if timeout is None or timeout <= 0:
         return eng.compile(spec, tokenizer, options)
     if LIMITS.compile_isolation == "process" and getattr(eng, "isolate", False):

@@ -140,6 +140,10 @@ class LLGuidanceEngine:
     name = NAME
     isolate = False  # bounded by its own fuel (LLParserLimits): compiled in-process
 
+    def prepare(self, tokenizer: TokenizerInfo) -> None:
+        """Import llguidance and build its per-tokenizer index (outside the compile time limit)."""
+        _TOKENIZERS.get(tokenizer)
+
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict) -> CompiledConstraint:
         import llguidance as llg
 

@@ -167,6 +167,10 @@ class OutlinesCoreEngine:
     name = NAME
     isolate = True  # index construction has no limit: a worker process probes it under compile_isolation
 
+    def prepare(self, tokenizer: TokenizerInfo) -> None:
+        """Import outlines-core and build its per-tokenizer vocabulary (outside the compile time limit)."""
+        _TOKENIZERS.get(tokenizer)
+
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict) -> CompiledConstraint:
         import outlines_core as oc
 

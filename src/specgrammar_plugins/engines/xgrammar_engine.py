@@ -82,6 +82,10 @@ class XGrammarEngine:
     name = NAME
     isolate = True  # no resource limits of its own: compiled in a worker process under compile_isolation="process"
 
+    def prepare(self, tokenizer: TokenizerInfo) -> None:
+        """Import xgrammar and build its per-tokenizer compiler (outside the compile time limit)."""
+        _COMPILERS.get(tokenizer)
+
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict) -> CompiledConstraint:
         try:
             import xgrammar  # noqa: F401
