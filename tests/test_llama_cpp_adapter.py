@@ -15,7 +15,8 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from specgrammar_plugins import ConstraintError, ConstraintSpec  # noqa: E402
 from specgrammar_plugins.models import tiny_gguf  # noqa: E402
-from specgrammar_plugins.workloads import WORKLOADS, chat_prompt, constraint, examples, is_valid  # noqa: E402
+from specgrammar_plugins.workloads import (  # noqa: E402
+    EMAIL_REGEX, WORKLOADS, chat_prompt, constraint, examples, is_valid)
 
 TARGET, DRAFT = tiny_gguf("target"), tiny_gguf("draft")
 pytestmark = pytest.mark.skipif(not (TARGET.exists() and DRAFT.exists()),
@@ -300,3 +301,29 @@ def test_stopping_criteria_like_the_host(stock, ours):
                                    grammar=g)["choices"][0]
         assert (b["text"], b["finish_reason"]) == (a["text"], a["finish_reason"])
     ours.k = 4
+
+
+def test_cost_aware_options_finish_within_budget(ours):
+    """specgrammar {"adaptive": true}: the tilted law steers to an end within max_tokens (the exact regular J);
+    the same request without it runs into the limit mid-answer when the limit is below the model's answer."""
+    from specgrammar_plugins.constraint import compile_constraint
+    from specgrammar_plugins.cost import cost_model_for
+    from specgrammar_plugins.models import tiny_tokenizer_info
+
+    e = examples("email", "eval", 1)[0]
+    spec = ConstraintSpec.regex(EMAIL_REGEX)
+    j0 = int(cost_model_for(compile_constraint(spec, tiny_tokenizer_info())).cost_to_go([]))
+    prompt = chat_prompt(e.prompt)
+    plain = ours.create_completion(prompt, max_tokens=64, temperature=0, regex=EMAIL_REGEX)
+    n_plain = plain["usage"]["completion_tokens"]
+    budget = j0 + 1
+    out = ours.create_completion(prompt, max_tokens=budget, temperature=0, regex=EMAIL_REGEX,
+                                 specgrammar={"adaptive": True})
+    c = out["choices"][0]
+    assert c["finish_reason"] == "stop" and is_valid("email", c["text"]), (c, j0)
+    cost = ours.last_stats.cost
+    assert cost and cost["adaptive"] and cost["budget"] == budget
+    if n_plain > budget:  # the untilted answer is longer than the budget: cut mid-answer without the tilt
+        assert cost["lambda_max"] > 0
+        cut = ours.create_completion(prompt, max_tokens=budget, temperature=0, regex=EMAIL_REGEX)
+        assert cut["choices"][0]["finish_reason"] == "length"

@@ -22,8 +22,11 @@ way to the end, so lambda -> infinity follows a shortest completion.
 
 The adaptive controller sets lambda per position as a deterministic function of the generated prefix:
     lambda_{t+1} = [lambda_t + eta * (C_hat(h_t) - tau)]_+ ,   C_hat(h) = |h| + J(h) * (1 + w(h))
-with w(h) = the overshoot so far (|h| + J(h) - J(empty)) / max(1, |h|) and tau the budget (remaining max_tokens
-or a user ``budget``).  Because lambda depends only on the prefix (not on round boundaries), the speculative
+with tau the budget (remaining max_tokens or a user ``budget``) and w(h) the expected overshoot: the larger of the
+overshoot so far, (|h| + J(h) - J(empty)) / max(1, |h|), and ``margin`` (default 0.5: until it shows otherwise, a
+model is taken to write half again the shortest completion).  Without the margin the controller only reacts once
+the output has overshot, which is too late where an early choice sets the length (which tool to call: a longer
+branch chosen at lambda = 0 cannot finish within the budget).  Because lambda depends only on the prefix (not on round boundaries), the speculative
 loop's output law equals non-speculative sampling from the same q_lambda, token for token in law.
 Caveat: with lambda > 0 the output law is q_lambda, not the untilted target law.
 """
@@ -52,6 +55,9 @@ class CostModel(Protocol):
 
 
 # ------------------------------------------------------------------------------------------- regular: exact
+_GRAPHS: dict[tuple, tuple] = {}  # (regex, tokenizer fingerprint) -> (succ, J, Delta rows), oldest dropped first
+
+
 class RegularCost:
     """Exact fewest-tokens-to-termination for a regular constraint, from the reference DFA engine."""
 
@@ -77,12 +83,18 @@ class RegularCost:
         # which is every way for ASCII targets; if no such way ends, everything is expanded (capped).
         self.ids = [i for i, b in enumerate(tokenizer.token_bytes) if b and i not in tokenizer.special_ids]
         start = (g.dfa.initial, b"")
-        self.succ: dict[tuple, dict[int, tuple]] = {}
-        self.J: dict[tuple, float] = {}
-        self._explore(start, partial=False)
-        if self.J.get(start, INF) == INF:
-            self._explore(start, partial=True)
-        self._delta_cache: dict[tuple, np.ndarray] = {}
+        key = (pattern, tokenizer.fingerprint)
+        shared = _GRAPHS.get(key)
+        if shared is None:  # the graph, J and the Delta rows are per constraint, shared by its requests
+            self.succ, self.J, self._delta_cache = {}, {}, {}
+            self._explore(start, partial=False)
+            if self.J.get(start, INF) == INF:
+                self._explore(start, partial=True)
+            while len(_GRAPHS) >= 32:
+                _GRAPHS.pop(next(iter(_GRAPHS)))
+            _GRAPHS[key] = (self.succ, self.J, self._delta_cache)
+        else:
+            self.succ, self.J, self._delta_cache = shared
         self._hist: list[tuple] = [start]
         self._fed: list[int] = []
 
@@ -420,7 +432,7 @@ class Tilt:
     """
 
     def __init__(self, cost: CostModel, *, lam: float = 0.0, adaptive: bool = False, budget: int | None = None,
-                 eta: float = 8.0, lam_max: float = 50.0):
+                 eta: float = 8.0, lam_max: float = 50.0, margin: float = 0.5):
         if lam < 0:
             raise ValueError("lambda must be >= 0")
         if adaptive and budget is None:
@@ -431,6 +443,9 @@ class Tilt:
         self.budget = budget
         self.eta = eta
         self.lam_max = lam_max
+        if margin < 0:
+            raise ValueError("margin must be >= 0")
+        self.margin = float(margin)
         self._lams: list[float] = [self.lam0]  # lambda at position t (before token t)
         self._fed: list[int] = []
         self._j0: float | None = None
@@ -451,7 +466,7 @@ class Tilt:
             j = self.cost.cost_to_go(h)
             if not np.isfinite(j):
                 j = self._j0
-            w = max(0.0, (len(h) + j - self._j0) / max(1, len(h)))
+            w = max(self.margin, (len(h) + j - self._j0) / max(1, len(h)))
             c_hat = len(h) + j * (1.0 + w)
             # the budget counts the stop token too: aim one under it
             lam = min(self.lam_max, max(0.0, self._lams[-1] + self.eta * (c_hat - (self.budget - 1))))

@@ -235,8 +235,13 @@ class SpecLlama(Llama):
                 tokenizer=tokinfo, params=params, rng=rng, draft_runner=draft_runner,
                 target_vocab_size=target.vocab_size, recipe=options.recipe or self.recipe, blind=self.blind_draft,
                 options=dict(options.extra)))
+        from ...cost import make_tilt
+
+        # the opt-in cost-aware law (specgrammar.lambda / adaptive / budget): q_lambda, still sampled exactly
+        tilt = make_tilt(compiled, lam=options.lam, adaptive=options.adaptive, budget=options.budget,
+                         max_tokens=max_tokens)
         loop = SpeculativeLoop(target, prompt, constraint=compiled, drafter=drafter, k=k, params=params,
-                               max_tokens=max_tokens, rng=rng, stop_token_ids=tokinfo.stop_token_ids)
+                               max_tokens=max_tokens, rng=rng, stop_token_ids=tokinfo.stop_token_ids, tilt_fn=tilt)
         self.last_stats = loop.stats
         stops = set(tokinfo.stop_token_ids)
         history = list(prompt)
