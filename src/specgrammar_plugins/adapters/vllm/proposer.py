@@ -196,6 +196,10 @@ class GrammarProposer:
         # server passes ``vllm_xargs`` there) over the engine-wide --additional-config options
         req_opts = ((getattr(sp, "extra_args", None) or {}).get("specgrammar") or {})
         options = {**self.options, **{k_: v for k_, v in req_opts.items() if k_ in ("recipe", "drafters")}}
+        if isinstance(req_opts, dict) and any(k_ in req_opts for k_ in ("lambda", "adaptive", "budget")):
+            # the target's law is vLLM's sampler's, which a proposer cannot tilt: say so rather than pretend
+            log.warning("specgrammar: cost-aware options (lambda/adaptive/budget) are not applied by the vLLM "
+                        "adapter (use the mlx-lm or llama-cpp-python adapter); request decoded untilted")
         names = tuple(options.get("drafters", self.drafter_names))
         ctx = DraftContext(tokenizer=self._tokinfo, params=core_params(sp), rng=self._rng, draft_runner=runner,
                            target_vocab_size=self.vocab_size, recipe=options.get("recipe"), options=options)
