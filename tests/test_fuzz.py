@@ -131,6 +131,21 @@ REGEX = st.recursive(
 )
 
 
+COMPILE_LIMIT_S = 10.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_limit():
+    """The pure-Python reference engine (dfa) can take minutes on a few negated classes with repeats over a
+    byte-level vocabulary: such a compile must end in the time-limit error (and is not walked)."""
+    from specgrammar_plugins import constraint as C
+
+    saved = C.LIMITS.compile_timeout_s
+    C.LIMITS.compile_timeout_s = COMPILE_LIMIT_S
+    yield
+    C.LIMITS.compile_timeout_s = saved
+
+
 @fuzz(ci_examples=150)
 @given(pattern=REGEX, walk_seed=st.integers(0, 2**16))
 def test_regex_walks_stay_in_the_language(tok, pattern, walk_seed):
@@ -139,6 +154,8 @@ def test_regex_walks_stay_in_the_language(tok, pattern, walk_seed):
         try:
             c = compile_constraint(ConstraintSpec.regex(pattern), tok, engine=engine, cache=None)
         except ConstraintError as e:
+            if engine == "dfa" and "compile time limit" in e.reason:
+                continue
             pytest.fail(f"{engine} refused {pattern!r}: {e}")
         for data in walks(c, tok, seed_=walk_seed):
             text = data.decode("utf-8")  # strict: an engine must not end inside a character
