@@ -213,10 +213,10 @@ def run_job(host: str, port: int, job: Job, timeout: float = 300.0) -> Result:
         conn.close()
 
 
-def rss_kib(pid: int) -> int:
-    """Resident set size of ``pid`` and its children (KiB), from /proc."""
+def rss_kib(pid: int, children: bool = True) -> int:
+    """Resident set size of ``pid`` (and, by default, its children: the compile workers) in KiB, from /proc."""
     total = 0
-    for p in [pid] + _children(pid):
+    for p in [pid] + (_children(pid) if children else []):
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
