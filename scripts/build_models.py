@@ -7,7 +7,9 @@
 1. tokenizer: byte-level BPE (1024 tokens: 3 ChatML specials, the 256 bytes, merges) trained with ``tokenizers``
    on the training split of every workload (``specgrammar_plugins.workloads``); saved as HF files.
 2. target (Llama, hidden 256, 2 layers, 4 heads, ~2.4M params) and draft (hidden 128, 2 layers, ~0.5M params):
-   AdamW on the training split, loss on the answer tokens (and EOS) only, fp32, 1 thread, seeded.
+   AdamW on the training split, loss on the answer tokens (and EOS) only, fp32, 1 thread, seeded.  The target's
+   mix adds 3,000 "Repeat exactly: ..." documents (``copy_documents``), which teach it to copy values out of the
+   prompt (json_extraction exact match 0% -> 100%, tool_call 10% -> 78%, email 2% -> 76% at 2,000 steps).
 3. export: transformers folders (safetensors, ``rope_theta`` added to config.json, tokenizer files copied in)
    and GGUF files (llama arch, ``gpt2`` BPE vocab, ``gpt-2`` pre-tokenizer) for llama.cpp.
 4. metrics.json: per structured workload, greedy validity / exact match on the eval split with the grammar on
@@ -55,9 +57,9 @@ ARCH = {
                   num_key_value_heads=2),
 }
 TRAIN = {
-    # the target trains past the point where copying values from the prompt appears (~500-700 steps here);
-    # the draft stops around it, so it gets the structure right and the copied values often wrong
-    "target": dict(steps=1000, batch=32, lr=3e-3, warmup=40, seed=SEED + 1),
+    # the target trains well past the point where copying values from the prompt appears; the draft (no copy
+    # documents, 300 steps) gets the structure right and the copied values often wrong: agreement ~75%
+    "target": dict(steps=2000, batch=32, lr=3e-3, warmup=40, seed=SEED + 1),
     "draft": dict(steps=300, batch=32, lr=3e-3, warmup=30, seed=SEED + 2),
 }
 
@@ -106,6 +108,38 @@ def load_hf_tokenizer(folder: Path):
 
 
 # ---------------------------------------------------------------------------------------------- data
+COPY_DOCS = 3000  # auxiliary "Repeat exactly" documents in the target's training mix
+
+
+def copy_documents(n: int, seed: int) -> list[tuple[str, str]]:
+    """(prompt, answer) pairs that ask for a verbatim copy of a random string of the workloads' value shapes
+    (IDs, numbers, names, addresses, random letters).  Training data only, never a workload: the structured tasks
+    copy values out of the prompt, and this teaches the copy itself (an induction circuit) on far more random
+    strings than the workloads hold, so the target learns it within the time budget."""
+    r = random.Random(f"{seed}/copy")
+    letters, lower = "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz"
+
+    def piece() -> str:
+        kind = r.randrange(6)
+        if kind == 0:
+            return "".join(r.choice(letters) for _ in range(r.randint(2, 5))) + "-" + str(r.randint(0, 99999))
+        if kind == 1:
+            return str(r.randint(0, 10 ** r.randint(1, 5)))
+        if kind == 2:
+            return f"{r.choice(W.FIRST)} {r.choice(W.LAST)}"
+        if kind == 3:
+            return "".join(r.choice(lower) for _ in range(r.randint(3, 10))) + "@" + r.choice(W.DOMAINS) + ".com"
+        if kind == 4:
+            return "".join(r.choice(lower) for _ in range(r.randint(2, 8)))
+        return r.choice(W.OCCUPATIONS + W.CITIES)
+
+    out = []
+    for _ in range(n):
+        s = " ".join(piece() for _ in range(r.randint(1, 3)))
+        out.append((f"Repeat exactly: {s}", s))
+    return out
+
+
 def encode_examples(hf_tok, exs) -> list[tuple[list[int], int]]:
     """(ids, answer_start) per example: ids = prompt + answer + EOS."""
     eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
@@ -418,6 +452,7 @@ def main(argv=None) -> int:
             log(f"tokenizer trained in {time.perf_counter() - t0:.1f}s")
         hf_tok = load_hf_tokenizer(out)
         data = encode_examples(hf_tok, train)
+        copies = encode_examples(hf_tok, [W.Example("copy", p, None, a) for p, a in copy_documents(COPY_DOCS, SEED)])
         lens = [len(d[0]) for d in data]
         log(f"{len(data)} training sequences, length mean {np.mean(lens):.1f} max {max(lens)}")
         ids = {s: hf_tok.convert_tokens_to_ids(s) for s in SPECIALS}
@@ -426,8 +461,8 @@ def main(argv=None) -> int:
                        "tokenizer": {"vocab_size": VOCAB, "specials": ids, "train_sequences": len(data),
                                      "mean_sequence_tokens": round(float(np.mean(lens)), 1)}}
         for which in (("draft",) if args.only_draft else ("target", "draft")):
-            model, info = train_model(which, data, VOCAB, ids["<|endoftext|>"], ids["<|im_end|>"],
-                                      ids["<|endoftext|>"])
+            model, info = train_model(which, data + copies if which == "target" else data, VOCAB,
+                                      ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
             save_hf(model, out / which, out)
             write_gguf(out / which, out / f"{which}.gguf", f"specgrammar-tiny-{which}")
             info["safetensors_sha256"] = sha256(out / which / "model.safetensors")
