@@ -139,6 +139,22 @@ def test_forced_tokens_are_drafts(toy_tok):
     assert st.forced_tokens >= 1 and st.target_passes < len(out)
 
 
+def test_forced_tokens_do_not_use_up_k(toy_tok):
+    """k bounds the drafts that can be rejected; the grammar's own tokens ride along (up to ``free_forced``): with
+    k = 1 a forced literal is still verified in one pass, the output is the same, and ``free_forced=0`` gives
+    the old one-draft rounds."""
+    c = compile_constraint(ConstraintSpec.regex(r"[0-9]q{6}[0-9]"), toy_tok, engine="dfa")  # 'q': one token
+    target = MarkovRunner(toy_tok.vocab_size, seed=4, valid=len(toy_tok.token_bytes))
+    runs = {}
+    for free in (0, 16):
+        runs[free] = generate(target, [1], constraint=c, drafter=ForcedDrafter(toy_tok.encode), k=1,
+                              params=GREEDY, max_tokens=30, seed=0, free_forced=free)
+    (out0, st0), (out16, st16) = runs[0], runs[16]
+    assert out0 == out16 and toy_tok.decode(out0[1:7]) == b"q" * 6
+    assert st16.drafted == st16.accepted == 6 > st0.drafted  # all six forced in one round
+    assert st16.target_passes < st0.target_passes
+
+
 # ------------------------------------------------------------------------------------------- deferred trigger
 @pytest.mark.parametrize("k", [0, 3, 8])
 def test_deferred_trigger(toy_tok, k):

@@ -46,17 +46,24 @@ class ModelRunner(Protocol):
 
 class DraftBlock:
     """One round's drafts: tokens, their proposal laws (None = one-hot) and sources, plus the masks (and tilts)
-    of every position, computed once here and reused by verification."""
+    of every position, computed once here and reused by verification.
+
+    ``budget`` bounds the model's and recipes' drafts (k); ``free`` more positions are open to tokens the grammar
+    forces (source "forced"): where the mask allows one token the masked target law puts all its mass on it, so
+    it is always accepted and only widens the verification pass by a row.  ``room`` is what a drafter may still
+    push."""
 
     def __init__(self, context: Sequence[int], matcher: Matcher | None, vocab_size: int, budget: int,
                  stop_token_ids: Sequence[int] = (),
                  tilt_fn: Callable[[Sequence[int], Matcher | None], np.ndarray | None] | None = None,
-                 prompt_len: int = 0):
+                 prompt_len: int = 0, free: int = 0):
         self.context = context  # committed tokens (prompt + emitted) before the block
         self.prompt_len = prompt_len  # tilt_fn sees the generated part: context[prompt_len:] + drafts
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.budget = budget
+        self.capacity = budget + (free if matcher is not None and budget > 0 else 0)
+        self.n_free = 0  # forced drafts pushed beyond the budget's count
         self.stop_token_ids = frozenset(stop_token_ids)
         self.tilt_fn = tilt_fn
         self.tokens: list[int] = []
@@ -64,7 +71,7 @@ class DraftBlock:
         self.sources: list[str] = []
         self.matched = 0  # drafts the matcher accepted (a blind draft it rejects is verified but not matched)
         self.closed = False  # no more drafts (a stop token, a blind draft outside the grammar, or the budget)
-        self.masks = new_mask(vocab_size, rows=budget + 1) if matcher is not None else None
+        self.masks = new_mask(vocab_size, rows=self.capacity + 1) if matcher is not None else None
         self.tilts: list[np.ndarray | None] = []
         self._have_mask = -1
         self.mask_ns = 0
@@ -75,8 +82,13 @@ class DraftBlock:
         return len(self.tokens)
 
     @property
+    def room(self) -> int:
+        """Drafts that may still be pushed (forced tokens within ``free`` do not use it up)."""
+        return max(0, min(self.budget - (len(self.tokens) - self.n_free), self.capacity - len(self.tokens)))
+
+    @property
     def done(self) -> bool:
-        return self.closed or len(self.tokens) >= self.budget or (self.matcher is not None and self.matcher.is_terminated())
+        return self.closed or self.room <= 0 or (self.matcher is not None and self.matcher.is_terminated())
 
     def sequence(self) -> list[int]:
         return [*self.context, *self.tokens]
@@ -125,6 +137,8 @@ class DraftBlock:
                 self.matched += 1
             else:
                 self.closed = True  # blind draft outside the grammar: the target will reject it
+        if source == "forced" and self.n_free < self.capacity - self.budget:
+            self.n_free += 1  # the grammar's own token: it leaves the budget to drafts that may be rejected
         self.tokens.append(token)
         self.laws.append(law)
         self.sources.append(source)

@@ -103,7 +103,7 @@ class SpeculativeLoop:
                  params: SamplingParams = SamplingParams(), max_tokens: int = 256, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, rng: np.random.Generator | None = None,
                  tilt_fn: Callable[[Sequence[int], Matcher | None], np.ndarray | None] | None = None,
-                 max_k: int = 64):
+                 max_k: int = 64, free_forced: int = 16):
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         if k < 0 or k > max_k:
@@ -116,6 +116,8 @@ class SpeculativeLoop:
         self.matcher = matcher if matcher is not None else (constraint.matcher() if constraint is not None else None)
         self.drafter = drafter
         self.k = k if drafter is not None else 0
+        # grammar-forced drafts do not count against k: up to this many more ride along in a round
+        self.free_forced = max(0, int(free_forced))
         self.params = params
         self.max_tokens = max_tokens
         self.rng = rng if rng is not None else np.random.default_rng(seed)
@@ -146,11 +148,12 @@ class SpeculativeLoop:
     def _round(self) -> Commit:
         remaining = self.max_tokens - len(self.emitted)
         budget = min(self.k, remaining - 1)
+        free = max(0, min(self.free_forced, remaining - 1 - budget))
         block = DraftBlock([*self.prompt, *self.emitted], self.matcher, self.width, max(budget, 0),
-                           self.stop_token_ids, self.tilt_fn, prompt_len=len(self.prompt))
+                           self.stop_token_ids, self.tilt_fn, prompt_len=len(self.prompt), free=free)
         if self.drafter is not None and budget > 0:
             while not block.done:
-                if self.drafter.extend(block, block.budget - len(block.tokens)) == 0:
+                if self.drafter.extend(block, block.room) == 0:
                     break
         masks, tilts = block.finish()
         pending = self.prompt[-1] if not self.emitted else self.emitted[-1]
