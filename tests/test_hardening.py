@@ -52,7 +52,9 @@ def test_compile_time_limit_is_a_clear_error(toy_tok, limits):
 ], ids=["xgrammar-enum", "dfa-exponential"])
 def test_compile_past_the_limit_is_killed_with_process_isolation(toy_tok, limits, engine, spec):
     """compile_isolation="process" (what the mlx-lm server uses): the compiling worker process is killed at the
-    limit, so nothing keeps running; the next compile gets a fresh worker and a correct grammar."""
+    limit, so nothing keeps running; the next compile gets a fresh worker and a correct grammar (checked on dfa
+    only: a fresh xgrammar worker imports torch again, 15-40 s on a loaded machine; the servers in
+    test_concurrency.py and test_mlx_server.py compile every xgrammar grammar through workers)."""
     from pathlib import Path
 
     from specgrammar_plugins.compile_worker import POOL
@@ -66,6 +68,8 @@ def test_compile_past_the_limit_is_killed_with_process_isolation(toy_tok, limits
         compile_constraint(spec, toy_tok, engine=engine, cache=None)
     assert time.perf_counter() - t0 < 5
     assert POOL.killed == killed + 1 and not Path(f"/proc/{POOL.last_killed_pid}").exists()
+    if engine != "dfa":
+        return
     limits.compile_timeout_s = 120
     c = compile_constraint(ConstraintSpec.regex("[0-9]{4}|x"), toy_tok, engine=engine, cache=None)
     m = c.matcher()
