@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed passes per size (default 7; quick 2)")
     ap.add_argument("--strategies", type=Path, default=Path("bench-out/strategies/strategies.json"),
                     help="a bench strategies JSON with the measured acceptance (measured now when absent)")
+    ap.add_argument("--timings", type=Path, default=None,
+                    help="reuse the forward timings of an earlier scale JSON (no model is run): only the projection "
+                         "is recomputed, e.g. after a new strategies run")
     R.add_common_args(ap, "scale")
     a = ap.parse_args(argv)
     context = a.context or (128 if a.quick else 256)
@@ -182,14 +185,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rep = R.Report("scale", a, argv)
     results = []
+    if a.timings is not None:  # an earlier run's timings: {"1": {"median", "min"}, ...} per backend
+        prev = json.loads(a.timings.read_text())
+        context, ks, reps = prev["context"], prev["ks"], prev["reps"]
+        backends = []
+        for m in prev["results"]:
+            m["times"] = {int(n): v for n, v in m["times"].items()}
+            results.append(m)
     for b in R.progress(backends, "scale", disable=a.no_progress):
         m = measure_mlx(QWEN25_05B, context, ks, reps) if b == "mlx" else \
             measure_torch(QWEN25_05B, context, ks, reps, a.device)
+        results.append(m)
+    for m in results:
         t = {n: v["min"] for n, v in m["times"].items()}
         m["rows"] = [{"k": k, "t1_ms": 1e3 * t[1], "tk1_ms": 1e3 * t[k + 1], "cost_ratio": t[k + 1] / t[1],
                       "t1_median_ms": 1e3 * m["times"][1]["median"],
                       "tk1_median_ms": 1e3 * m["times"][k + 1]["median"]} for k in ks]
-        results.append(m)
     acc = acceptance(a.strategies, a.quick, not a.no_progress)
     kk = acc["k"]
     proj = []
@@ -225,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         m["times"] = {str(n): v for n, v in m["times"].items()}
     rep.write({"shape": QWEN25_05B, "dtype": "float32", "weights": "random (forward cost does not depend on them)",
                "context": context, "ks": ks, "reps": reps, "blas": preloaded(), "results": results,
+               "timings_from": str(a.timings) if a.timings else None,
                "acceptance": acc, "projection": proj,
                "versions": R.versions("mlx", "mlx-lm", "torch", "transformers")}, plot=_plot(results, proj))
     return 0
