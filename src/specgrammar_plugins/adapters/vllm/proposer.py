@@ -195,8 +195,11 @@ class GrammarProposer:
         # per request: SamplingParams.extra_args["specgrammar"] = {"recipe": ..., "drafters": [...]} (the OpenAI
         # server passes ``vllm_xargs`` there) over the engine-wide --additional-config options
         req_opts = ((getattr(sp, "extra_args", None) or {}).get("specgrammar") or {})
+        if not isinstance(req_opts, dict):  # (the launcher answers 400 first; offline callers get it ignored)
+            log.warning("specgrammar: per-request options must be an object, got %s; ignored", type(req_opts).__name__)
+            req_opts = {}
         options = {**self.options, **{k_: v for k_, v in req_opts.items() if k_ in ("recipe", "drafters")}}
-        if isinstance(req_opts, dict) and any(k_ in req_opts for k_ in ("lambda", "adaptive", "budget")):
+        if any(k_ in req_opts for k_ in ("lambda", "adaptive", "budget")):
             # the target's law is vLLM's sampler's, which a proposer cannot tilt: say so rather than pretend
             log.warning("specgrammar: cost-aware options (lambda/adaptive/budget) are not applied by the vLLM "
                         "adapter (use the mlx-lm or llama-cpp-python adapter); request decoded untilted")
