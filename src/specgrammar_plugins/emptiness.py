@@ -132,33 +132,17 @@ def _gbnf_parts(body: str) -> list[list[tuple]]:
     return alts
 
 
-_GBNF_ESC = {"n": "\n", "t": "\t", "r": "\r"}
-
-
 def _gbnf_class_is_empty(cls: str) -> bool:
     """Whether a GBNF ``[...]`` class allows no character (only a negated class covering all of Unicode)."""
-    inner = cls[1:-1]
-    if not inner.startswith("^"):
-        return False
-    chars: list[int | None] = []  # code points; None marks a range dash
-    i = 1
+    from .gbnf import class_items
+
     try:
-        while i < len(inner):
-            c = inner[i]
-            if c == "\\" and i + 1 < len(inner):
-                e = inner[i + 1]
-                width = {"x": 2, "u": 4, "U": 8}.get(e)
-                if width:
-                    chars.append(int(inner[i + 2:i + 2 + width], 16))
-                    i += 2 + width
-                    continue
-                chars.append(ord(_GBNF_ESC.get(e, e)))
-                i += 2
-                continue
-            chars.append(None if c == "-" and chars and i + 1 < len(inner) else ord(c))
-            i += 1
+        negated, items = class_items(cls)
     except ValueError:
         return False
+    if not negated:
+        return False
+    chars: list[int | None] = [None if ch is None else ord(ch) for ch in items]  # None marks a range dash
     spans, k = [], 0
     while k < len(chars):
         if k + 2 < len(chars) and chars[k + 1] is None and chars[k] is not None and chars[k + 2] is not None:
