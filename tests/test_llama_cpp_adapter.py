@@ -284,6 +284,22 @@ def test_recipe_pack_drafts_without_a_draft_model(stock):
         assert st.tokens_per_pass > 1.5, st.as_dict()
 
 
+def test_shipped_recipe_pack_loads_on_the_gguf(stock):
+    """The shipped packs (built through the HF tokenizer, which stops on <|im_end|> only) bind to the GGUF's
+    tokenizer, where llama.cpp also marks <|endoftext|> as end-of-generation: packs are bound to the token bytes,
+    not the stop set (a pack was refused here with a fingerprint mismatch).  Greedy output unchanged."""
+    from specgrammar_plugins.adapters.llama_cpp import SpecLlama, tokenizer_info
+    from specgrammar_plugins.models import tiny_tokenizer_info
+
+    assert tokenizer_info(stock).fingerprint != tiny_tokenizer_info().fingerprint  # the stop sets differ
+    gbnf = gbnf_for("json_extraction")
+    llm = SpecLlama(str(TARGET), k=8, drafters=("forced", "recipe"), recipe="json_extraction", **KW)
+    for e in examples("json_extraction", "eval", 2):
+        p = prompt_tokens(stock, e.prompt)
+        assert greedy_tokens(llm, p, gbnf) == greedy_tokens(stock, p, gbnf)
+        assert llm.last_stats.accepted_by_source.get("recipe", 0) > 0
+
+
 def test_stopping_criteria_like_the_host(stock, ours):
     """A criterion that stops on a (non end-of-generation) token: same text and finish as the stock loop."""
     prompt = chat_prompt(examples("sql", "eval", 1)[0].prompt)

@@ -57,7 +57,7 @@ def test_roundtrip_is_stable_and_hashed(toy_pack, toy_tok, tmp_path):
     assert back.save(tmp_path / "b.json").read_bytes() == raw  # stable bytes
     d = json.loads(raw)
     assert d["format"] == "specgrammar-recipes" and d["version"] == 1 and len(d["sha256"]) == 64
-    assert d["tokenizer"]["fingerprint"] == toy_tok.fingerprint
+    assert d["tokenizer"]["fingerprint"] == toy_tok.vocab_fingerprint
     keys = [(r["kind"], len(r["key"])) for r in d["recipes"]]
     assert keys == sorted(keys, key=lambda k: (("literal", "shape").index(k[0]), k[1]))  # stable ordering
     assert all("text" in r for r in d["recipes"])  # human-inspectable
@@ -153,10 +153,10 @@ def test_blocker_stops_a_shorter_recipe(toy_tok):
 def test_merge_prune_and_bounds(toy_tok):
     tok = toy_tok
     a = RecipePack([Recipe("literal", (1, 2), (3, 4, 5), 10), Recipe("literal", (7,), (8,), 5),
-                    Recipe("literal", (9,), (10,), 3)], fingerprint=tok.fingerprint, tokenizer=tok)
+                    Recipe("literal", (9,), (10,), 3)], fingerprint=tok.vocab_fingerprint, tokenizer=tok)
     b = RecipePack([Recipe("literal", (1, 2), (3, 4, 6), 6), Recipe("literal", (7,), (9,), 1),
                     Recipe("literal", (9,), (11,), 3), Recipe("shape", (ALPHA, 5), (6,), 4)],
-                   fingerprint=tok.fingerprint, tokenizer=tok)
+                   fingerprint=tok.vocab_fingerprint, tokenizer=tok)
     m = merge(a, b, agree=0.8)
     assert m.recipes[("literal", (1, 2))].run == (3, 4) and m.recipes[("literal", (1, 2))].count == 16
     assert m.recipes[("literal", (7,))].run == (8,)  # 5 of 6 agree: the majority holds
@@ -246,7 +246,7 @@ def _wrong_pack(tok, seed=0):
     rng = np.random.default_rng(seed)
     n = len(tok.token_bytes)
     recs = [Recipe("literal", (t,), tuple(int(x) for x in rng.integers(1, n, size=4)), 1) for t in range(n)]
-    return RecipePack(recs, fingerprint=tok.fingerprint, tokenizer=tok)
+    return RecipePack(recs, fingerprint=tok.vocab_fingerprint, tokenizer=tok)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

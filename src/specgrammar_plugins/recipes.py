@@ -18,7 +18,7 @@ Lookup tries the literal index, then the shape index, each as one backward walk 
 
 File format (``FORMAT``/``VERSION``): one JSON object, human-inspectable, stable ordering (recipes sorted by
 index, then key), content-hashed (``sha256`` of the canonical JSON of everything else, checked at load), and
-bound to one tokenizer by ``TokenizerInfo.fingerprint`` (a pack for another tokenizer is refused at load).  Each
+bound to one tokenizer by ``TokenizerInfo.vocab_fingerprint`` (a pack for other token bytes is refused at load).  Each
 recipe carries its decoded text for reading; the ids are what count.
 
 Building: ``sample(runner, ...)`` collects verified outputs, ``build(samples, tokenizer)`` turns samples into a
@@ -190,11 +190,11 @@ class RecipePack:
     # ------------------------------------------------------------------ tokenizer
     def bind(self, tokenizer) -> "RecipePack":
         """Check the tokenizer (fingerprint) and enable the shape index, which needs each token's bytes."""
-        if tokenizer.fingerprint != self.fingerprint:
+        if tokenizer.vocab_fingerprint != self.fingerprint:
             where = f"recipe pack {self.source}" if self.source else "recipe pack"
             raise RecipePackError(
                 f"{where} was built for tokenizer {self.tokenizer_name!r} (fingerprint {self.fingerprint}); this model's "
-                f"tokenizer {getattr(tokenizer, 'name', '?')!r} has fingerprint {tokenizer.fingerprint}: rebuild the pack "
+                f"tokenizer {getattr(tokenizer, 'name', '?')!r} has fingerprint {tokenizer.vocab_fingerprint}: rebuild the pack "
                 "for this model (specgrammar recipes build)")
         self._token_bytes = tokenizer.token_bytes
         self._classes = class_table(tokenizer.token_bytes, tokenizer.vocab_size)
@@ -558,7 +558,7 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
     m = {"samples": len(all_samples), "sample_tokens": n_tokens, "max_key": max_key, "max_shape_key": max_shape_key,
          "max_run": max_run, "min_count": min_count, "agree": agree, "copy": copy, "copy_agree": copy_agree}
     m.update(meta or {})
-    pack = RecipePack(recipes, fingerprint=tokenizer.fingerprint, tokenizer_name=getattr(tokenizer, "name", "tokenizer"),
+    pack = RecipePack(recipes, fingerprint=tokenizer.vocab_fingerprint, tokenizer_name=getattr(tokenizer, "name", "tokenizer"),
                       meta=m, tokenizer=tokenizer)
     dropped = pack.prune(max_recipes)
     pack.meta["pruned"] = dropped

@@ -125,7 +125,7 @@ def _load_for_inspect(path, model):
         except Exception:  # inspecting needs no tokenizer: ids only
             tok = None
     pack = R.RecipePack.load(R.resolve(path))
-    if tok is not None and tok.fingerprint == pack.fingerprint:
+    if tok is not None and tok.vocab_fingerprint == pack.fingerprint:
         pack.bind(tok)
     return pack
 

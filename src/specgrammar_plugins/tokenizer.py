@@ -73,7 +73,7 @@ class TokenizerInfo:
 
     @property
     def fingerprint(self) -> str:
-        """Content hash of the vocabulary (not of the width): equal iff two tokenizers give tokens the same bytes."""
+        """Content hash of the vocabulary (not of the width): the token bytes, the stop and special ids."""
         fp = self.__dict__.get("_fp")
         if fp is None:
             h = hashlib.sha256()
@@ -83,6 +83,21 @@ class TokenizerInfo:
             h.update(json.dumps([self.eos_token_id, sorted(self.stop_token_ids), sorted(self.special_ids)]).encode())
             fp = h.hexdigest()[:16]
             object.__setattr__(self, "_fp", fp)
+        return fp
+
+    @property
+    def vocab_fingerprint(self) -> str:
+        """Content hash of the token bytes alone.  Recipe packs are bound to it: they hold token ids, whose meaning
+        is their bytes; hosts may disagree on which ids end generation (llama.cpp marks <|endoftext|> as EOG in a
+        GGUF whose HF tokenizer stops on <|im_end|> only), which ``fingerprint`` includes."""
+        fp = self.__dict__.get("_vfp")
+        if fp is None:
+            h = hashlib.sha256()
+            for b in self.token_bytes:
+                h.update(len(b).to_bytes(4, "little"))
+                h.update(b)
+            fp = h.hexdigest()[:16]
+            object.__setattr__(self, "_vfp", fp)
         return fp
 
     def with_vocab_size(self, vocab_size: int) -> "TokenizerInfo":

@@ -167,10 +167,8 @@ class LlamaHost:
     no drafting); every other strategy = ``SpecLlama`` with the strategy's chain (``specgrammar`` request field),
     ``blind_draft=True`` for the blind draft.
 
-    The shipped recipe packs were built on the HF tokenizer of the same tiny target.  The GGUF vocabulary gives
-    every id the same bytes but may list other end-of-generation ids, so its fingerprint can differ and the pack
-    would be refused; when every token's bytes agree, the pack is re-keyed to the GGUF fingerprint here (a pack
-    is token-id runs, which then mean the same text), and refused otherwise."""
+    The shipped recipe packs were built on the HF tokenizer of the same tiny target; they bind to the GGUF's
+    tokenizer by its token bytes (``TokenizerInfo.vocab_fingerprint``; the stop ids differ)."""
 
     name = "llama_cpp"
 
@@ -181,8 +179,6 @@ class LlamaHost:
 
         from ..adapters.llama_cpp import SpecLlama
         from ..models import tiny_gguf
-        from ..tokenizer import TokenizerInfo
-        from ..models import tiny_path
 
         target, draft = str(tiny_gguf("target")), str(tiny_gguf("draft"))
         for p in (target, draft):
@@ -196,7 +192,6 @@ class LlamaHost:
         from .llama_cpp_host import DecodeCounter
 
         self.counter = DecodeCounter(self.stock)
-        self._hf_tok = TokenizerInfo.from_file(str(tiny_path("target")))
         self._packs: dict = {}
         self._grammars: dict = {}
 
@@ -211,15 +206,7 @@ class LlamaHost:
             from ..recipes import RecipePack
 
             p = shipped_pack_path(workload)
-            pack = None
-            if p is not None:
-                gguf = tokenizer_info(self.ours)
-                pack = RecipePack.load(p)
-                if pack.fingerprint != gguf.fingerprint and pack.fingerprint == self._hf_tok.fingerprint \
-                        and tuple(self._hf_tok.token_bytes) == tuple(gguf.token_bytes):
-                    pack.fingerprint = gguf.fingerprint
-                pack = load_pack(pack, gguf)
-            self._packs[workload] = pack
+            self._packs[workload] = None if p is None else load_pack(RecipePack.load(p), tokenizer_info(self.ours))
         return self._packs[workload]
 
     def _grammar(self, workload: str):
