@@ -74,30 +74,26 @@ class TokenizerInfo:
     @property
     def fingerprint(self) -> str:
         """Content hash of the vocabulary (not of the width): the token bytes, the stop and special ids."""
-        fp = self.__dict__.get("_fp")
-        if fp is None:
-            h = hashlib.sha256()
-            for b in self.token_bytes:
-                h.update(len(b).to_bytes(4, "little"))
-                h.update(b)
-            h.update(json.dumps([self.eos_token_id, sorted(self.stop_token_ids), sorted(self.special_ids)]).encode())
-            fp = h.hexdigest()[:16]
-            object.__setattr__(self, "_fp", fp)
-        return fp
+        return self._hash("_fp", json.dumps([self.eos_token_id, sorted(self.stop_token_ids),
+                                             sorted(self.special_ids)]).encode())
 
     @property
     def vocab_fingerprint(self) -> str:
         """Content hash of the token bytes alone.  Recipe packs are bound to it: they hold token ids, whose meaning
         is their bytes; hosts may disagree on which ids end generation (llama.cpp marks <|endoftext|> as EOG in a
         GGUF whose HF tokenizer stops on <|im_end|> only), which ``fingerprint`` includes."""
-        fp = self.__dict__.get("_vfp")
+        return self._hash("_vfp", b"")
+
+    def _hash(self, slot: str, extra: bytes) -> str:
+        fp = self.__dict__.get(slot)
         if fp is None:
             h = hashlib.sha256()
             for b in self.token_bytes:
                 h.update(len(b).to_bytes(4, "little"))
                 h.update(b)
+            h.update(extra)
             fp = h.hexdigest()[:16]
-            object.__setattr__(self, "_vfp", fp)
+            object.__setattr__(self, slot, fp)
         return fp
 
     def with_vocab_size(self, vocab_size: int) -> "TokenizerInfo":
