@@ -70,7 +70,11 @@ class DraftBlock:
         self.laws: list[np.ndarray | None] = []
         self.sources: list[str] = []
         self.matched = 0  # drafts the matcher accepted (a blind draft it rejects is verified but not matched)
-        self.closed = False  # no more drafts (a stop token, a blind draft outside the grammar, or the budget)
+        self.closed = False  # no more drafts (a stop token or the budget)
+        # a blind draft the grammar rejects: the target will reject it, and like a stock blind drafter the draft
+        # goes on to the budget (those drafts and draft passes are the waste blind drafting costs); the rows
+        # after it are never reached in verification, so their masks are placeholders
+        self.dead = False
         self.masks = new_mask(vocab_size, rows=self.capacity + 1) if matcher is not None else None
         self.tilts: list[np.ndarray | None] = []
         self._have_mask = -1
@@ -100,7 +104,7 @@ class DraftBlock:
         i = self.position
         if self._have_mask < i:
             t0 = time.perf_counter_ns()
-            if self.matcher.is_terminated() or self.closed:
+            if self.matcher.is_terminated() or self.closed or self.dead:
                 self.masks[i] = full_mask(self.vocab_size)  # never sampled from: placeholder for an unused row
             else:
                 self.matcher.fill_mask(self.masks[i])
@@ -132,11 +136,11 @@ class DraftBlock:
         ok = self.allows(token)
         if not ok and check:
             return False
-        if self.matcher is not None:
+        if self.matcher is not None and not self.dead:
             if ok and self.matcher.accept(token):
                 self.matched += 1
             else:
-                self.closed = True  # blind draft outside the grammar: the target will reject it
+                self.dead = True
         if source == "forced" and self.n_free < self.capacity - self.budget:
             self.n_free += 1  # the grammar's own token: it leaves the budget to drafts that may be rejected
         self.tokens.append(token)
@@ -176,7 +180,7 @@ class ForcedDrafter:
         self.encode = encode
 
     def extend(self, block: DraftBlock, budget: int) -> int:
-        if block.matcher is None or budget <= 0:
+        if block.matcher is None or budget <= 0 or block.dead:
             return 0
         forced = block.matcher.forced()
         toks = list(forced.tokens)
@@ -324,7 +328,7 @@ class RecipeDrafter:
         return () if src is None else self._prompt[src:src + n]
 
     def extend(self, block: DraftBlock, budget: int) -> int:
-        if budget <= 0 or (block.matcher is None and not self.unconstrained):
+        if budget <= 0 or block.dead or (block.matcher is None and not self.unconstrained):
             return 0
         self.lookups += 1
         ctx = block.context
@@ -358,7 +362,7 @@ class SuffixDrafter:
         self.unconstrained = unconstrained
 
     def extend(self, block: DraftBlock, budget: int) -> int:
-        if budget <= 0 or (block.matcher is None and not self.unconstrained):
+        if budget <= 0 or block.dead or (block.matcher is None and not self.unconstrained):
             return 0
         ctx = block.context
         run = self.index.lookup([*ctx[len(ctx) - 64:], *block.tokens] if len(ctx) > 64 else block.sequence(), budget)
