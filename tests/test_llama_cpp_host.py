@@ -106,9 +106,10 @@ def test_law_at_positive_temperature_matches_the_stock_sampler(stock, ours):
     from specgrammar_plugins.adapters.llama_cpp import sampling_params
 
     g = "root ::= [12] [0-9]"
-    # filters that bite, where their order matters; the trained tiny target is peaked on this prompt, so a high
-    # temperature and a small min_p are needed for a spread law (3 outcomes, max 0.62, TV 0.20 between the orders)
-    temp, top_k, top_p, min_p = 6.0, 40, 1.0, 1e-4
+    # filters that bite, where their order matters; the trained tiny target is peaked on this prompt (it answers
+    # years right), so a high temperature and a small min_p are needed for a spread law (3 outcomes, max 0.64,
+    # TV 0.25 between the orders, on the committed target)
+    temp, top_k, top_p, min_p = 8.0, 40, 1.0, 1e-5
     prompt = year_prompt()
     ptoks = stock.tokenize(prompt.encode(), add_bos=False, special=True)
     law = exact_law(llama_cpp.Llama(str(TARGET), **KW), ptoks, g, sampling_params(temp, top_k, top_p, min_p))
