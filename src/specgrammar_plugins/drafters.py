@@ -146,7 +146,7 @@ class DraftBlock:
         self.tokens.append(token)
         self.laws.append(law)
         self.sources.append(source)
-        if token in self.stop_token_ids:
+        if token in self.stop_token_ids and not self.dead:  # (a blind drafter goes on past a stop it had no right to)
             self.closed = True
         return True
 
