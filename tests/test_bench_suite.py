@@ -95,6 +95,11 @@ def test_scale_quick(tmp_path):
         _finite(m["rows"], ["t1_ms", "tk1_ms", "cost_ratio"])
     _finite(doc["projection"], ["tokens_per_pass", "projected_speedup"])
     assert "PROJECTION" in doc["_stdout"]
+    # the projection alone, from the timings just measured (no model run)
+    again = bench(tmp_path / "again", "scale", "--timings", str(tmp_path / "scale" / "scale.json"),
+                  "--strategies", str(tmp_path / "absent.json"))
+    assert again["timings_from"] and [m["rows"] for m in again["results"]] == [m["rows"] for m in doc["results"]]
+    _finite(again["projection"], ["projected_speedup"])
 
 
 def test_mlx_host_quick(tmp_path):
@@ -142,8 +147,3 @@ def test_vllm_host_quick(tmp_path, monkeypatch):
     rows = [r for r in doc["rows"] if "proposer" not in r]
     assert {r["method"] for r in rows} == {"plain", "grammar_recipe"}
     _finite(rows, ["tokens", "rounds", "accepted", "acceptance", "passes_per_token"])
-    # the projection alone, from the timings just measured (no model run)
-    again = bench(tmp_path / "again", "scale", "--timings", str(tmp_path / "scale" / "scale.json"),
-                  "--strategies", str(tmp_path / "absent.json"))
-    assert again["timings_from"] and [m["rows"] for m in again["results"]] == [m["rows"] for m in doc["results"]]
-    _finite(again["projection"], ["projected_speedup"])
