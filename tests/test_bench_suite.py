@@ -147,3 +147,14 @@ def test_vllm_host_quick(tmp_path, monkeypatch):
     rows = [r for r in doc["rows"] if "proposer" not in r]
     assert {r["method"] for r in rows} == {"plain", "grammar_recipe"}
     _finite(rows, ["tokens", "rounds", "accepted", "acceptance", "passes_per_token"])
+
+
+def test_cost_quick(tmp_path):
+    _have("mlx_lm", "matplotlib")
+    _tiny("target", "draft")
+    doc = bench(tmp_path, "cost")
+    assert doc["rows"] and doc["n"] > 0
+    for r in doc["rows"].values():
+        for m in ("untilted", "adaptive"):
+            assert 0 <= r[m]["complete_valid"] <= r[m]["n"]
+        assert math.isfinite(r["j0"]) and r["budget"] > 0

@@ -6,7 +6,9 @@ the median length of the reference answers), once with the plain law and once wi
 same seeds).  An output counts when it is complete (the grammar finished, EOS) and valid (regex full match / JSON
 Schema validation / the grammar's own acceptance).
 
-    specgrammar bench cost [--n 20] [--frac 0.7] [--temperature 0.7] [--out bench-out/cost.json]
+    specgrammar bench cost [--n 20] [--frac 0.5] [--temperature 0.7] [--out-dir bench-out/cost] [--quick]
+
+Writes ``cost.json`` and ``cost.png`` (complete-and-valid counts per workload, untilted vs adaptive).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import json
 import re
 import statistics
 import time
-from pathlib import Path
 
 STRUCTURED = ("json_extraction", "tool_call", "sql", "email", "order_id", "year")
 
@@ -37,14 +38,19 @@ def _valid(spec, text: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specgrammar bench cost", description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=20, help="eval prompts per workload")
+    ap.add_argument("--n", type=int, default=None, help="eval prompts per workload (default 20; quick 2)")
     ap.add_argument("--frac", type=float, default=0.5,
                     help="max_tokens = J0 + frac * (median reference length - J0), J0 = the cost model's minimum")
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--workloads", nargs="*", default=list(STRUCTURED))
-    ap.add_argument("--out", default="bench-out/cost.json")
+    ap.add_argument("--workloads", nargs="*", default=None, help="default: all structured (quick: json_extraction)")
+    from . import _report as R
+
+    R.add_common_args(ap, "cost")
     a = ap.parse_args(argv)
+    a.n = a.n or (2 if a.quick else 20)
+    a.workloads = a.workloads or (["json_extraction"] if a.quick else list(STRUCTURED))
+    report = R.Report("cost", a, argv)
 
     from mlx_lm import load
 
@@ -56,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     draft, _ = load(str(tiny_path("draft")))
     rows = {}
     t0 = time.perf_counter()
-    for w in a.workloads:
+    for w in R.progress(a.workloads, "cost", disable=a.no_progress):
         exs = examples(w, "eval", n=a.n)
         lens = [len(tok.encode(e.reference, add_special_tokens=False)) + 1 for e in exs]
         from ..constraint import compile_constraint
@@ -89,6 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     n = sum(r["untilted"]["n"] for r in rows.values())
     print(f"all: untilted {tot['untilted']}/{n} ({100 * tot['untilted'] / n:.1f}%), adaptive {tot['adaptive']}/{n} "
           f"({100 * tot['adaptive'] / n:.1f}%)  [{time.perf_counter() - t0:.0f} s, T={a.temperature}, k={a.k}]")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"args": vars(a), "rows": rows, "total": tot, "n": n}, indent=1))
+    ws = list(rows)
+
+    def plot(fig):
+        ax = fig.add_subplot(1, 1, 1)
+        R.bar_groups(ax, ws, {m: [rows[w][m]["complete_valid"] / rows[w][m]["n"] for w in ws]
+                              for m in ("untilted", "adaptive")},
+                     "complete and valid within max_tokens", f"T={a.temperature}, k={a.k}", hline=0.99)
+
+    report.write({"args": {k: v for k, v in vars(a).items() if k != "out_dir"}, "rows": rows, "total": tot, "n": n},
+                 plot=plot)
     return 0
