@@ -166,15 +166,10 @@ def _covers_unicode(spans: list[tuple[int, int]]) -> bool:
 
 def gbnf_unproductive_root(text: str) -> bool:
     """True when the GBNF grammar's ``root`` derives no finite string (False when it does, or cannot be read)."""
-    from .gbnf import strip_comments
+    from .gbnf import split_rules
 
-    body = strip_comments(text)
-    starts = list(re.finditer(r"(?m)^[ \t]*([A-Za-z0-9_-]+)[ \t]*::=", body))
-    if not starts:
-        return False
     try:
-        rules = {m.group(1): _gbnf_parts(body[m.end(): nxt.start() if nxt else len(body)])
-                 for m, nxt in zip(starts, starts[1:] + [None])}
+        rules = {name: _gbnf_parts(body) for name, body in split_rules(text).items()}
     except (ValueError, IndexError):
         return False
     if "root" not in rules:

@@ -238,17 +238,18 @@ def _class_regex(cls: str) -> str:
     return "[" + ("^" if negated else "") + "".join("-" if ch is None else _escape_char(ch) for ch in items) + "]"
 
 
+def split_rules(gbnf: str) -> dict[str, str]:
+    """The grammar's rules, name -> body text (comments dropped); a rule starts at a line ``name ::=``."""
+    text = strip_comments(gbnf)
+    starts = list(re.finditer(r"(?m)^[ \t]*([A-Za-z0-9_-]+)[ \t]*::=", text))
+    return {m.group(1): text[m.end(): nxt.start() if nxt else len(text)] for m, nxt in zip(starts, starts[1:] + [None])}
+
+
 def to_regex(gbnf: str, max_len: int = 20000) -> str | None:
     """The grammar as one regex when its language is regular because no rule reaches itself (rules are inlined),
     else None.  None too when the grammar uses what this reader does not know, or the regex would exceed
     ``max_len`` characters.  The language is the grammar's own (tests check it against samples)."""
-    text = strip_comments(gbnf)
-    starts = [m for m in re.finditer(r"(?m)^[ \t]*([A-Za-z0-9_-]+)[ \t]*::=", text)]
-    if not starts:
-        return None
-    rules: dict[str, str] = {}
-    for m, nxt in zip(starts, starts[1:] + [None]):
-        rules[m.group(1)] = text[m.end(): nxt.start() if nxt else len(text)]
+    rules = split_rules(gbnf)
     if "root" not in rules:
         return None
     done: dict[str, str] = {}
