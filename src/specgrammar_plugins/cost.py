@@ -26,14 +26,14 @@ with tau the budget (remaining max_tokens or a user ``budget``) and w(h) the exp
 overshoot so far, (|h| + J(h) - J(empty)) / max(1, |h|), and ``margin`` (default 0.5: until it shows otherwise, a
 model is taken to write half again the shortest completion).  Without the margin the controller only reacts once
 the output has overshot, which is too late where an early choice sets the length (which tool to call: a longer
-branch chosen at lambda = 0 cannot finish within the budget).  Because lambda depends only on the prefix (not on round boundaries), the speculative
-loop's output law equals non-speculative sampling from the same q_lambda, token for token in law.
+branch chosen at lambda = 0 cannot finish within the budget).  Because lambda depends only on the prefix (not
+on round boundaries), the speculative loop's output law equals non-speculative sampling from the same q_lambda,
+token for token in law.
 Caveat: with lambda > 0 the output law is q_lambda, not the untilted target law.
 """
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from typing import Protocol, Sequence
 
@@ -62,10 +62,10 @@ class RegularCost:
     """Exact fewest-tokens-to-termination for a regular constraint, from the reference DFA engine."""
 
     def __init__(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, token_cost: np.ndarray | None = None,
-                 fallback: "CostModel | None" = None):
+                 fallback: "CostModel | None" = None, pattern: str | None = None):
         from .engines.dfa import DFAGrammar
 
-        pattern = regular_form(spec)
+        pattern = pattern or regular_form(spec)
         if pattern is None:
             raise ValueError("RegularCost needs a regular constraint (regex, choice, a JSON Schema without "
                              "recursion or a GBNF grammar without recursion)")
@@ -181,17 +181,15 @@ class RegularCost:
             return self.fallback.delta(generated)
         if st is None or st == ("<end>",):
             return np.zeros(self.width)
-        d = self._delta_cache.get(st)
-        if d is None and self.fallback is not None:
+        if self.fallback is not None:
             # tokens the sub-language lacks but the engine may allow (other whitespace, another key order): they
             # are off every shortest way, so Delta >= 1; the estimate's Delta above that.  Not forbidden outright
             # as masked tokens are (1e9), which a small lambda would do.  Not cached: the estimate is per prefix.
-            base = np.maximum(self.fallback.delta(generated), 1.0)
-            d = self._fill(st, base)
-            return d + self.token_cost - 1.0 if self.token_cost is not None else d
-        if d is None:
-            d = self._fill(st, np.full(self.width, 1e9))  # unreachable/forbidden tokens: masked anyway
-            self._delta_cache[st] = d
+            d = self._fill(st, np.maximum(self.fallback.delta(generated), 1.0))
+        else:
+            d = self._delta_cache.get(st)
+            if d is None:
+                d = self._delta_cache[st] = self._fill(st, np.full(self.width, 1e9))  # forbidden: masked anyway
         if self.token_cost is not None:
             return d + self.token_cost - 1.0
         return d
@@ -210,17 +208,18 @@ class RegularCost:
 
 def regular_form(spec: ConstraintSpec) -> str | None:
     """A regex for the constraint's language (or a regular sub-language of it) when there is one: regex and choice
-    as given, a JSON Schema without recursion through outlines-core's schema-to-regex, a GBNF grammar whose rules
-    never reach themselves through ``gbnf.to_regex``.  None otherwise (recursive grammars, Lark/EBNF, any-JSON)."""
+    as given, a JSON Schema through outlines-core's schema-to-regex (exact without recursion; recursion unrolled to
+    its depth limit is a sub-language), a GBNF grammar whose rules never reach themselves through
+    ``gbnf.to_regex``.  None otherwise (recursive GBNF, Lark/EBNF, any-JSON)."""
     pattern = spec.as_regex()
     if pattern is not None:
         return pattern
     if spec.kind == "json_schema":
-        try:
-            from outlines_core.json_schema import build_regex_from_schema
+        try:  # the outlines-core engine's own schema-to-regex (recursion unrolled to its depth limit)
+            from .engines.outlines_core_engine import regex_for
 
-            pattern = build_regex_from_schema(spec.value if isinstance(spec.value, str) else json.dumps(spec.value))
-        except Exception:  # recursion, a keyword it lacks, or outlines-core not installed
+            pattern = regex_for(spec, {})
+        except Exception:  # a keyword it lacks, or outlines-core not installed
             return None
         return pattern if len(pattern) <= 20000 else None
     if spec.kind == "grammar" and spec.syntax == "gbnf":
@@ -413,11 +412,13 @@ class StructuralCost:
 def cost_model_for(compiled: CompiledConstraint, token_cost: np.ndarray | None = None) -> CostModel:
     """The built-in cost model for a compiled constraint: exact for regular ones, an estimate otherwise."""
     spec = compiled.spec
-    exact = spec.as_regex() is not None
-    if exact or regular_form(spec) is not None:
-        fallback = None if exact else StructuralCost(compiled.tokenizer, spec, token_cost=token_cost)
+    pattern = regular_form(spec)
+    if pattern is not None:
+        # a regex of a regular sub-language (JSON Schema, GBNF) needs the estimate for outputs that leave it
+        fallback = None if spec.as_regex() is not None else StructuralCost(compiled.tokenizer, spec,
+                                                                            token_cost=token_cost)
         try:
-            return RegularCost(spec, compiled.tokenizer, token_cost, fallback=fallback)
+            return RegularCost(spec, compiled.tokenizer, token_cost, fallback=fallback, pattern=pattern)
         except Exception:  # e.g. a regex interegular cannot read: fall back to the estimate
             pass
     return StructuralCost(compiled.tokenizer, spec, token_cost=token_cost)

@@ -1,5 +1,5 @@
 """The outlines-core engine: regex, choice and JSON Schema (through outlines-core's schema-to-regex, which bounds
-nesting at ``max_recursion_depth``, default 3).  No context-free grammars, and no any-JSON (see ``_regex_for``).
+nesting at ``max_recursion_depth``, default 3).  No context-free grammars, and no any-JSON (see ``regex_for``).
 
 outlines-core's ``Index`` is a token-level DFA (state id x token id -> state id).  The adapter walks it itself and
 keeps the state ids: ``fork`` copies a list of ints (``copy.copy`` of a ``Guide`` would pickle the whole index),
@@ -89,7 +89,7 @@ def _can_produce_sentinel(pattern: str) -> bool:
 _TOKENIZERS = PerTokenizerCache(_OCTok)
 
 
-def _regex_for(spec: ConstraintSpec, options: dict) -> str:
+def regex_for(spec: ConstraintSpec, options: dict) -> str:
     if spec.kind in ("regex", "choice"):
         return ascii_shorthands(spec.as_regex())
     if spec.kind not in ("json_schema", "json"):
@@ -174,7 +174,7 @@ class OutlinesCoreEngine:
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict) -> CompiledConstraint:
         import outlines_core as oc
 
-        regex = _regex_for(spec, options)
+        regex = regex_for(spec, options)
         ot = _TOKENIZERS.get(tokenizer)
         # JSON-Schema regexes never produce a raw control character; a user regex is checked
         sentinel = spec.kind in ("json_schema", "json") or not _can_produce_sentinel(regex)
