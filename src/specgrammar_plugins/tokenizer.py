@@ -74,24 +74,25 @@ class TokenizerInfo:
     @property
     def fingerprint(self) -> str:
         """Content hash of the vocabulary (not of the width): the token bytes, the stop and special ids."""
-        return self._hash("_fp", json.dumps([self.eos_token_id, sorted(self.stop_token_ids),
-                                             sorted(self.special_ids)]).encode())
+        return self._hash("_fp", lambda: json.dumps([self.eos_token_id, sorted(self.stop_token_ids),
+                                                     sorted(self.special_ids)]).encode())
 
     @property
     def vocab_fingerprint(self) -> str:
         """Content hash of the token bytes alone.  Recipe packs are bound to it: they hold token ids, whose meaning
         is their bytes; hosts may disagree on which ids end generation (llama.cpp marks <|endoftext|> as EOG in a
         GGUF whose HF tokenizer stops on <|im_end|> only), which ``fingerprint`` includes."""
-        return self._hash("_vfp", b"")
+        return self._hash("_vfp", lambda: b"")
 
-    def _hash(self, slot: str, extra: bytes) -> str:
+    def _hash(self, slot: str, extra) -> str:
+        """Hash of the token bytes and ``extra()`` (called only when not cached yet), cached in ``slot``."""
         fp = self.__dict__.get(slot)
         if fp is None:
             h = hashlib.sha256()
             for b in self.token_bytes:
                 h.update(len(b).to_bytes(4, "little"))
                 h.update(b)
-            h.update(extra)
+            h.update(extra())
             fp = h.hexdigest()[:16]
             object.__setattr__(self, slot, fp)
         return fp
