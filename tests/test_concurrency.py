@@ -64,45 +64,44 @@ def _memory_returns_to_baseline(srv, host: str) -> None:
     assert r.outcome == "ok", r
 
 
-# ---------------------------------------------------------------------------------------------- mlx-lm
-@pytest.fixture(scope="module", params=["draft", "batch"])
-def mlx_server(request, tmp_path_factory):
-    pytest.importorskip("mlx_lm")
+def _served(launch, folder, **kw):
+    """A server from ``soak.launch_*`` for a module's tests, stopped after them."""
     from specgrammar_plugins.models import tiny_path
 
     if not (tiny_path("target") / "model.safetensors").exists():
         pytest.skip("the tiny target model is not in the tree")
-    srv = soak.launch_mlx(tmp_path_factory.mktemp(f"mlx-{request.param}"), draft=request.param == "draft")
+    srv = launch(folder, **kw)
     yield srv
     srv.stop()
 
 
-def test_mlx_server_under_32_concurrent_mixed_requests(mlx_server):
+def _burst_and_check(srv, kind: str) -> None:
     try:
-        _memory_returns_to_baseline(mlx_server, "mlx")
+        _memory_returns_to_baseline(srv, kind)
     except AssertionError:
-        print(mlx_server.log.read_text()[-3000:])
+        print(srv.log.read_text()[-3000:])
         raise
-    assert mlx_server.proc.poll() is None
+    assert srv.proc.poll() is None
+
+
+# ---------------------------------------------------------------------------------------------- mlx-lm
+@pytest.fixture(scope="module", params=["draft", "batch"])
+def mlx_server(request, tmp_path_factory):
+    pytest.importorskip("mlx_lm")
+    yield from _served(soak.launch_mlx, tmp_path_factory.mktemp(f"mlx-{request.param}"),
+                       draft=request.param == "draft")
+
+
+def test_mlx_server_under_32_concurrent_mixed_requests(mlx_server):
+    _burst_and_check(mlx_server, "mlx")
 
 
 # ---------------------------------------------------------------------------------------------- vLLM
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     pytest.importorskip("vllm")
-    from specgrammar_plugins.models import tiny_path
-
-    if not (tiny_path("target") / "model.safetensors").exists():
-        pytest.skip("the tiny target model is not in the tree")
-    srv = soak.launch_vllm(tmp_path_factory.mktemp("vllm"))
-    yield srv
-    srv.stop()
+    yield from _served(soak.launch_vllm, tmp_path_factory.mktemp("vllm"))
 
 
 def test_vllm_server_under_32_concurrent_mixed_requests(vllm_server):
-    try:
-        _memory_returns_to_baseline(vllm_server, "vllm")
-    except AssertionError:
-        print(vllm_server.log.read_text()[-3000:])
-        raise
-    assert vllm_server.proc.poll() is None
+    _burst_and_check(vllm_server, "vllm")
