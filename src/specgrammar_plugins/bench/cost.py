@@ -14,26 +14,8 @@ Writes ``cost.json`` and ``cost.png`` (complete-and-valid counts per workload, u
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import time
-
-STRUCTURED = ("json_extraction", "tool_call", "sql", "email", "order_id", "year")
-
-
-def _valid(spec, text: str) -> bool:
-    if spec.kind == "regex":
-        return re.fullmatch(spec.value, text) is not None
-    if spec.kind == "json_schema":
-        import jsonschema
-
-        try:
-            jsonschema.validate(json.loads(text, strict=False), spec.schema)
-            return True
-        except Exception:
-            return False
-    return True  # GBNF: a finished matcher is the grammar's acceptance
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,14 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     R.add_common_args(ap, "cost")
     a = ap.parse_args(argv)
     a.n = a.n or (2 if a.quick else 20)
+    from ..workloads import STRUCTURED, chat_prompt, examples, is_valid
+
     a.workloads = a.workloads or (["json_extraction"] if a.quick else list(STRUCTURED))
     report = R.Report("cost", a, argv)
 
     from mlx_lm import load
 
     from ..adapters.mlx_lm.generate import generate_tokens
-    from ..models import tiny_path
-    from ..workloads import chat_prompt, examples
+    from ..constraint import compile_constraint
+    from ..cost import cost_model_for
+    from ..models import tiny_path, tiny_tokenizer_info
 
     model, tok = load(str(tiny_path("target")))
     draft, _ = load(str(tiny_path("draft")))
@@ -65,10 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     for w in R.progress(a.workloads, "cost", disable=a.no_progress):
         exs = examples(w, "eval", n=a.n)
         lens = [len(tok.encode(e.reference, add_special_tokens=False)) + 1 for e in exs]
-        from ..constraint import compile_constraint
-        from ..cost import cost_model_for
-        from ..models import tiny_tokenizer_info
-
         j0 = cost_model_for(compile_constraint(exs[0].constraint, tiny_tokenizer_info())).cost_to_go([])
         budget = int(round(j0 + a.frac * (statistics.median(lens) - j0)))
         res = {}
@@ -81,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                                           seed=1000 + i, adaptive=(mode == "adaptive"))
                 text = tok.decode([t for t in out if t not in tok.eos_token_ids]) if hasattr(tok, "eos_token_ids") \
                     else tok.decode(out)
-                if st.finish_reason == "stop" and _valid(e.constraint, text):
+                if st.finish_reason == "stop" and is_valid(w, text):
                     ok += 1
                 if st.cost:
                     lam_max.append(st.cost.get("lambda_max", 0.0))
