@@ -10,6 +10,10 @@
    AdamW on the training split, loss on the answer tokens (and EOS) only, fp32, 1 thread, seeded.  The target's
    mix adds 3,000 "Repeat exactly: ..." documents (``copy_documents``), which teach it to copy values out of the
    prompt (json_extraction exact match 0% -> 100%, tool_call 10% -> 78%, email 2% -> 76% at 2,000 steps).
+   Then each model is tuned for a few steps on "Make up ..." documents (``invent_documents``: the answers are
+   random draws) mixed 1:1 with its own training data, so the pair has real sampling entropy at T > 0 and learns
+   the same spread there.  (Mixed into the main run instead, they cost the target its copying: json_extraction
+   exact match fell to 24%.)
 3. export: transformers folders (safetensors, ``rope_theta`` added to config.json, tokenizer files copied in)
    and GGUF files (llama arch, ``gpt2`` BPE vocab, ``gpt-2`` pre-tokenizer) for llama.cpp.
 4. metrics.json: per structured workload, greedy validity / exact match on the eval split with the grammar on
@@ -59,8 +63,8 @@ ARCH = {
 TRAIN = {
     # the target trains well past the point where copying values from the prompt appears; the draft (no copy
     # documents, 300 steps) gets the structure right and the copied values often wrong: agreement ~75%
-    "target": dict(steps=2000, batch=32, lr=3e-3, warmup=40, seed=SEED + 1),
-    "draft": dict(steps=300, batch=32, lr=3e-3, warmup=30, seed=SEED + 2),
+    "target": dict(steps=2000, batch=32, lr=3e-3, warmup=40, seed=SEED + 1, tune_steps=150, tune_lr=3e-4),
+    "draft": dict(steps=300, batch=32, lr=3e-3, warmup=30, seed=SEED + 2, tune_steps=60, tune_lr=3e-4),
 }
 
 
@@ -109,6 +113,7 @@ def load_hf_tokenizer(folder: Path):
 
 # ---------------------------------------------------------------------------------------------- data
 COPY_DOCS = 3000  # auxiliary "Repeat exactly" documents in the target's training mix
+INVENT_DOCS = 3000  # "Make up ..." documents of both models' tuning phase
 
 
 def copy_documents(n: int, seed: int) -> list[tuple[str, str]]:
@@ -140,6 +145,30 @@ def copy_documents(n: int, seed: int) -> list[tuple[str, str]]:
     return out
 
 
+def invent_documents(n: int, seed: int) -> list[tuple[str, str]]:
+    """(prompt, answer) pairs whose answer is a fresh random draw: "Make up a code of 5 digits" -> 48213.
+    Training data only, never a workload.  Every workload's answer is a function of its prompt, so without these
+    the pair's only uncertainty at T > 0 is model error; real models sample among many valid continuations, and
+    that is where exact accept/residual verification (acceptance sum(min(p, q))) and token matching
+    (sum(p * q)) part ways.  Both models learn the same uniform choices here."""
+    r = random.Random(f"{seed}/invent")
+    letters = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    out = []
+    for _ in range(n):
+        kind = r.randrange(3)
+        if kind == 0:
+            k = r.randint(2, 8)
+            out.append((f"Make up a code of {k} digits", "".join(r.choice("0123456789") for _ in range(k))))
+        elif kind == 1:
+            out.append(("Make up an order ID", "".join(r.choice(letters) for _ in range(3)) + "-"
+                        + "".join(r.choice("0123456789") for _ in range(4))))
+        else:
+            person = {"age": r.randint(18, 80), "name": f"{r.choice(W.FIRST)} {r.choice(W.LAST)}",
+                      "occupation": r.choice(W.OCCUPATIONS)}
+            out.append(("Make up a person as JSON", json.dumps(person)))
+    return out
+
+
 def encode_examples(hf_tok, exs) -> list[tuple[list[int], int]]:
     """(ids, answer_start) per example: ids = prompt + answer + EOS."""
     eos = hf_tok.convert_tokens_to_ids("<|im_end|>")
@@ -153,7 +182,10 @@ def encode_examples(hf_tok, exs) -> list[tuple[list[int], int]]:
 
 
 def train_model(which: str, data: list[tuple[list[int], int]], vocab_size: int, pad_id: int, eos_id: int,
-                bos_id: int):
+                bos_id: int, tune: list[tuple[list[int], int]] = (), model=None):
+    """AdamW on ``data`` (warmup, cosine to 10%), then ``tune_steps`` at ``tune_lr`` on ``tune`` mixed 1:1 with
+    as many sequences drawn from ``data`` (a fresh optimizer and its own seeded stream: the tuned weights depend
+    only on the main run's).  With ``model`` given, only the tuning phase runs on it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -162,46 +194,60 @@ def train_model(which: str, data: list[tuple[list[int], int]], vocab_size: int, 
     cfg = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
                       tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
                       attention_bias=False, mlp_bias=False, hidden_act="silu", **ARCH[which])
-    model = LlamaForCausalLM(cfg)
+    main_steps = hp["steps"] if model is None else 0
+    if model is None:
+        model = LlamaForCausalLM(cfg)
     model.to(torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"{which}: {n_params} parameters, {hp['steps']} steps")
+    log(f"{which}: {n_params} parameters, {main_steps} + {hp['tune_steps'] if tune else 0} steps")
     opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], betas=(0.9, 0.95), weight_decay=0.01, eps=1e-8)
     rng = random.Random(hp["seed"])
-    batches: list[list[int]] = []
     losses = []
     t0 = time.perf_counter()
     c0 = time.process_time()
     model.train()
-    for step in range(hp["steps"]):
-        lr = hp["lr"] * min(1.0, (step + 1) / hp["warmup"])
-        if step >= hp["warmup"]:
-            frac = (step - hp["warmup"]) / max(1, hp["steps"] - hp["warmup"])
-            lr = hp["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for g in opt.param_groups:
-            g["lr"] = lr
-        if not batches:
-            batches = _epoch_batches(data, hp["batch"], rng)
-        batch = [data[i] for i in batches.pop()]
-        L = max(len(ids) for ids, _ in batch)
-        x = torch.full((len(batch), L), pad_id, dtype=torch.long)
-        y = torch.full((len(batch), L), -100, dtype=torch.long)
-        for i, (ids, a) in enumerate(batch):
-            x[i, : len(ids)] = torch.tensor(ids)
-            y[i, a - 1: len(ids) - 1] = torch.tensor(ids[a:])
-        logits = model(input_ids=x).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                                 ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == hp["steps"] - 1:
-            log(f"{which} step {step} loss {np.mean(losses[-50:]):.4f} lr {lr:.2e} "
-                f"{time.perf_counter() - t0:.0f}s")
+
+    def run(phase: str, mix, steps: int, lr_at) -> None:
+        batches: list[list[int]] = []
+        for step in range(steps):
+            lr = lr_at(step)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            if not batches:
+                batches = _epoch_batches(mix, hp["batch"], rng)
+            batch = [mix[i] for i in batches.pop()]
+            L = max(len(ids) for ids, _ in batch)
+            x = torch.full((len(batch), L), pad_id, dtype=torch.long)
+            y = torch.full((len(batch), L), -100, dtype=torch.long)
+            for i, (ids, a) in enumerate(batch):
+                x[i, : len(ids)] = torch.tensor(ids)
+                y[i, a - 1: len(ids) - 1] = torch.tensor(ids[a:])
+            logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                                     ignore_index=-100)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            if step % 50 == 0 or step == steps - 1:
+                log(f"{which} {phase} step {step} loss {np.mean(losses[-50:]):.4f} lr {lr:.2e} "
+                    f"{time.perf_counter() - t0:.0f}s")
+
+    def main_lr(step: int) -> float:
+        if step < hp["warmup"]:
+            return hp["lr"] * (step + 1) / hp["warmup"]
+        frac = (step - hp["warmup"]) / max(1, hp["steps"] - hp["warmup"])
+        return hp["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    run("main", data, main_steps, main_lr)
+    if tune:
+        rng = random.Random(f"{hp['seed']}/tune")
+        mix = list(tune) + rng.sample(list(data), min(len(tune), len(data)))
+        opt = torch.optim.AdamW(model.parameters(), lr=hp["tune_lr"], betas=(0.9, 0.95), weight_decay=0.01, eps=1e-8)
+        run("tune", mix, hp["tune_steps"], lambda step: hp["tune_lr"])
     model.eval()
-    info = dict(params=n_params, steps=hp["steps"], batch=hp["batch"], lr=hp["lr"],
+    info = dict(params=n_params, steps=hp["steps"], tune_steps=hp["tune_steps"] if tune else 0, batch=hp["batch"], lr=hp["lr"],
                 train_seconds=round(time.perf_counter() - t0, 1), train_cpu_seconds=round(time.process_time() - c0, 1),
                 final_loss=round(float(np.mean(losses[-50:])), 4),
                 arch=ARCH[which])
@@ -401,7 +447,37 @@ def evaluate(out: Path, n_eval: int) -> dict:
                            for k, v in r.items()}))
     res["agreement"] = round(agree_hits / max(1, agree_total), 4)
     res["agreement_tokens"] = agree_total
+    res["sampling"] = sampling_overlap(hf_tok, target, draft)
     return res
+
+
+def sampling_overlap(hf_tok, target, draft, n: int = 20) -> dict:
+    """Per "Make up" prompt kind, teacher-forced along ``n`` fresh random answers (another seed than training):
+    the target's mean entropy per answer token at T = 1 and the two per-token acceptance rates of a draft position,
+    sum(min(p, q)) (accept/residual verification) and sum(p * q) (token matching)."""
+    import torch
+
+    out = {}
+    docs = invent_documents(30 * n, SEED + 99)
+    for kind in ("Make up a code of 6 digits", "Make up an order ID", "Make up a person as JSON"):
+        ent, smin, spq, total = 0.0, 0.0, 0.0, 0
+        answers = [a for p, a in docs if p == kind][:n]
+        for a in answers:
+            p_ids = hf_tok.encode(W.chat_prompt(kind), add_special_tokens=False)
+            a_ids = hf_tok.encode(a, add_special_tokens=False)
+            seq = torch.tensor([p_ids + a_ids])
+            with torch.no_grad():
+                rows = slice(len(p_ids) - 1, len(p_ids) + len(a_ids) - 1)
+                pt = torch.softmax(target(input_ids=seq).logits[0, rows].double(), -1)
+                pd = torch.softmax(draft(input_ids=seq).logits[0, rows].double(), -1)
+            ent += float(-(pt * torch.log(pt.clamp_min(1e-300))).sum())
+            smin += float(torch.minimum(pt, pd).sum())
+            spq += float((pt * pd).sum())
+            total += len(a_ids)
+        out[kind] = {"answers": len(answers), "tokens": total, "target_entropy": round(ent / total, 3),
+                     "sum_min_pq": round(smin / total, 3), "sum_p_times_q": round(spq / total, 3)}
+        log("sampling", kind, json.dumps(out[kind]))
+    return out
 
 
 def _scores(w: str, exs, outs: list[str], ids: list[list[int]], eos: int) -> dict:
@@ -424,11 +500,16 @@ def main(argv=None) -> int:
     ap.add_argument("--n-eval", type=int, default=50)
     ap.add_argument("--target-steps", type=int, default=TRAIN["target"]["steps"])
     ap.add_argument("--draft-steps", type=int, default=TRAIN["draft"]["steps"])
+    ap.add_argument("--target-tune-steps", type=int, default=TRAIN["target"]["tune_steps"])
+    ap.add_argument("--draft-tune-steps", type=int, default=TRAIN["draft"]["tune_steps"])
     ap.add_argument("--train-n", type=int, default=None, help="training examples per workload (default: all 3000)")
     ap.add_argument("--no-eval", action="store_true", help="skip the evaluation (determinism checks)")
     ap.add_argument("--only-draft", action="store_true", help="retrain the draft only (keep tokenizer and target)")
+    ap.add_argument("--tune-only", action="store_true",
+                    help="run only the tuning phase on the models in --out (the main runs' weights; development)")
     args = ap.parse_args(argv)
     TRAIN["target"]["steps"], TRAIN["draft"]["steps"] = args.target_steps, args.draft_steps
+    TRAIN["target"]["tune_steps"], TRAIN["draft"]["tune_steps"] = args.target_tune_steps, args.draft_tune_steps
 
     import torch
 
@@ -442,27 +523,39 @@ def main(argv=None) -> int:
     metrics = json.loads(metrics_path.read_text()) if args.eval_only and metrics_path.exists() else {}
     t_all = time.perf_counter()
 
-    if args.only_draft and metrics_path.exists():
+    if (args.only_draft or args.tune_only) and metrics_path.exists():
         metrics = json.loads(metrics_path.read_text())
     if not args.eval_only:
         train = [e for w in W.WORKLOADS for e in W.examples(w, "train", args.train_n)]
         t0 = time.perf_counter()
-        if not args.only_draft:
+        if not (args.only_draft or args.tune_only):
             train_tokenizer(out, [W.training_text(e) for e in train])
             log(f"tokenizer trained in {time.perf_counter() - t0:.1f}s")
         hf_tok = load_hf_tokenizer(out)
         data = encode_examples(hf_tok, train)
         copies = encode_examples(hf_tok, [W.Example("copy", p, None, a) for p, a in copy_documents(COPY_DOCS, SEED)])
+        invented = encode_examples(hf_tok, [W.Example("invent", p, None, a)
+                                            for p, a in invent_documents(INVENT_DOCS, SEED)])
         lens = [len(d[0]) for d in data]
         log(f"{len(data)} training sequences, length mean {np.mean(lens):.1f} max {max(lens)}")
         ids = {s: hf_tok.convert_tokens_to_ids(s) for s in SPECIALS}
-        if not args.only_draft:
+        if not (args.only_draft or args.tune_only):
             metrics = {"seed": SEED, "threads": THREADS, "torch": torch.__version__,
                        "tokenizer": {"vocab_size": VOCAB, "specials": ids, "train_sequences": len(data),
                                      "mean_sequence_tokens": round(float(np.mean(lens)), 1)}}
         for which in (("draft",) if args.only_draft else ("target", "draft")):
+            start = None
+            if args.tune_only:
+                from transformers import AutoModelForCausalLM
+
+                start = AutoModelForCausalLM.from_pretrained(str(out / which), dtype=torch.float32)
             model, info = train_model(which, data + copies if which == "target" else data, VOCAB,
-                                      ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|endoftext|>"])
+                                      ids["<|endoftext|>"], ids["<|im_end|>"], ids["<|endoftext|>"], invented, start)
+            if start is not None:  # the main run's figures stay, the tuning phase's time is added
+                before = metrics.get(which, {})
+                for key in ("train_seconds", "train_cpu_seconds"):
+                    info[key] = round(before.get(key, 0.0) + info[key], 1)
+                info["final_loss"] = before.get("final_loss", info["final_loss"])
             save_hf(model, out / which, out)
             write_gguf(out / which, out / f"{which}.gguf", f"specgrammar-tiny-{which}")
             info["safetensors_sha256"] = sha256(out / which / "model.safetensors")

@@ -108,7 +108,7 @@ def test_quality_recorded(metrics):
 
 
 # Measured on the committed target (metrics.json, greedy, grammar on, 50 eval prompts): json_extraction 1.00,
-# year 1.00, tool_call 0.78, email 0.76, sql 0.30, order_id 0.14.  Copying a value out of the prompt is learnt
+# year 0.94, tool_call 0.74, email 0.68, sql 0.32, order_id 0.14.  Copying a value out of the prompt is learnt
 # (the "Repeat exactly" documents of scripts/build_models.py); order IDs still swap repeated digits (9042 -> 9090)
 # and SQL is a translation, not a copy: those two stay under the bar.
 BELOW_BAR = ("order_id", "sql")
@@ -120,10 +120,23 @@ def test_exact_match_bar(metrics, w):
 
 
 @pytest.mark.xfail(reason="order IDs: repeated digits confuse the copy; SQL: a translation the 2.4M target gets "
-                          "right 30% of the time", strict=True)
+                          "right 32% of the time", strict=True)
 @pytest.mark.parametrize("w", BELOW_BAR)
 def test_exact_match_bar_not_yet_met(metrics, w):
     assert metrics["eval"]["workloads"][w]["constrained"]["exact_rate"] >= 0.5
+
+
+def test_sampling_entropy_reproduces(metrics, models, hf_tok, bm):
+    """The pair has real sampling entropy where the answer is a random draw (the build's "Make up" tuning), and
+    learnt the same spread there: accept/residual keeps most drafts, token matching few (tests/test_mlx_law.py
+    measures what that does to tokens per target pass)."""
+    again = bm.sampling_overlap(hf_tok, models["target"], models["draft"])
+    for kind, rec in metrics["eval"]["sampling"].items():
+        for key, v in rec.items():
+            assert again[kind][key] == pytest.approx(v, abs=2e-3), (kind, key)
+    code = again["Make up a code of 6 digits"]
+    assert code["target_entropy"] > 1.5  # nats per token: several digits are likely at every position
+    assert code["sum_min_pq"] > 0.7 and code["sum_p_times_q"] < 0.3
 
 
 def _ids(s: str) -> list[int]:
@@ -219,7 +232,8 @@ def test_gguf_holds_the_safetensors(which, bm):
 
 @pytest.mark.slow
 def test_build_is_deterministic(tmp_path, bm):
-    """Two small builds (300 examples per workload, 3 steps each) give identical tokenizers and weights."""
+    """Two small builds (300 examples per workload, 3 steps + 2 tuning steps each) give identical tokenizers and
+    weights."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("gguf")
@@ -229,7 +243,7 @@ def test_build_is_deterministic(tmp_path, bm):
     for run in ("a", "b"):
         out = tmp_path / run
         assert bm.main(["--out", str(out), "--train-n", "300", "--target-steps", "3", "--draft-steps", "3",
-                        "--no-eval"]) == 0
+                        "--target-tune-steps", "2", "--draft-tune-steps", "2", "--no-eval"]) == 0
         outs.append(out)
     a, b = outs
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "target/config.json",
