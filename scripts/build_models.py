@@ -191,23 +191,25 @@ def train_model(which: str, data: list[tuple[list[int], int]], vocab_size: int, 
 
     hp = TRAIN[which]
     torch.manual_seed(hp["seed"])
-    cfg = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
-                      attention_bias=False, mlp_bias=False, hidden_act="silu", **ARCH[which])
     main_steps = hp["steps"] if model is None else 0
     if model is None:
+        cfg = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
+                          tie_word_embeddings=True, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id,
+                          attention_bias=False, mlp_bias=False, hidden_act="silu", **ARCH[which])
         model = LlamaForCausalLM(cfg)
     model.to(torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{which}: {n_params} parameters, {main_steps} + {hp['tune_steps'] if tune else 0} steps")
-    opt = torch.optim.AdamW(model.parameters(), lr=hp["lr"], betas=(0.9, 0.95), weight_decay=0.01, eps=1e-8)
-    rng = random.Random(hp["seed"])
+
+    def adamw(lr: float):
+        return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01, eps=1e-8)
+
     losses = []
     t0 = time.perf_counter()
     c0 = time.process_time()
     model.train()
 
-    def run(phase: str, mix, steps: int, lr_at) -> None:
+    def run(phase: str, mix, steps: int, lr_at, opt, rng: random.Random) -> None:
         batches: list[list[int]] = []
         for step in range(steps):
             lr = lr_at(step)
@@ -240,14 +242,14 @@ def train_model(which: str, data: list[tuple[list[int], int]], vocab_size: int, 
         frac = (step - hp["warmup"]) / max(1, hp["steps"] - hp["warmup"])
         return hp["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
-    run("main", data, main_steps, main_lr)
+    run("main", data, main_steps, main_lr, adamw(hp["lr"]), random.Random(hp["seed"]))
     if tune:
         rng = random.Random(f"{hp['seed']}/tune")
         mix = list(tune) + rng.sample(list(data), min(len(tune), len(data)))
-        opt = torch.optim.AdamW(model.parameters(), lr=hp["tune_lr"], betas=(0.9, 0.95), weight_decay=0.01, eps=1e-8)
-        run("tune", mix, hp["tune_steps"], lambda step: hp["tune_lr"])
+        run("tune", mix, hp["tune_steps"], lambda step: hp["tune_lr"], adamw(hp["tune_lr"]), rng)
     model.eval()
-    info = dict(params=n_params, steps=hp["steps"], tune_steps=hp["tune_steps"] if tune else 0, batch=hp["batch"], lr=hp["lr"],
+    info = dict(params=n_params, steps=hp["steps"], tune_steps=hp["tune_steps"] if tune else 0, batch=hp["batch"],
+                lr=hp["lr"],
                 train_seconds=round(time.perf_counter() - t0, 1), train_cpu_seconds=round(time.process_time() - c0, 1),
                 final_loss=round(float(np.mean(losses[-50:])), 4),
                 arch=ARCH[which])
@@ -462,8 +464,8 @@ def sampling_overlap(hf_tok, target, draft, n: int = 20) -> dict:
     for kind in ("Make up a code of 6 digits", "Make up an order ID", "Make up a person as JSON"):
         ent, smin, spq, total = 0.0, 0.0, 0.0, 0
         answers = [a for p, a in docs if p == kind][:n]
+        p_ids = hf_tok.encode(W.chat_prompt(kind), add_special_tokens=False)
         for a in answers:
-            p_ids = hf_tok.encode(W.chat_prompt(kind), add_special_tokens=False)
             a_ids = hf_tok.encode(a, add_special_tokens=False)
             seq = torch.tensor([p_ids + a_ids])
             with torch.no_grad():
