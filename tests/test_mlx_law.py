@@ -66,7 +66,7 @@ def tiny():
     return model, draft, tok
 
 
-def setup(tiny, case: str):
+def law_case(tiny, case: str):
     from specgrammar_plugins.adapters.mlx_lm.processor import compile_for
     from specgrammar_plugins.adapters.mlx_lm.runner import output_width
 
@@ -170,7 +170,7 @@ def mlx_plain_samples(model, tok, ids, compiled, temperature) -> list[tuple]:
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_output_law_matches_plain_constrained_sampling(tiny, temperature, case):
     model, draft, tok = tiny
-    ids, compiled = setup(tiny, case)
+    ids, compiled = law_case(tiny, case)
     law = exact_law(model, ids, compiled, SamplingParams(temperature=temperature))
     assert abs(sum(law.values()) - 1.0) < 1e-6
     ours, _ = ours_samples(model, draft, tok, ids, compiled, temperature)
@@ -219,7 +219,7 @@ def test_tokens_per_target_pass_vs_mlx_speculative(tiny, temperature, case):
         compiled = compile_for(exs[0].constraint, tok, output_width(model))  # one schema for the whole workload
         runs = [(prompt_ids(tok, ex.prompt), compiled, i) for i, ex in enumerate(exs)]
     else:
-        ids, compiled = setup(tiny, case)
+        ids, compiled = law_case(tiny, case)
         runs = [(ids, compiled, seed) for seed in range(SPEED_SEEDS)]
     ours, theirs = _ratio(model, draft, tok, runs, temperature)
     print(f"{case} T={temperature}: tokens per target pass: ours {ours:.2f}, mlx-lm speculative {theirs:.2f}, "
