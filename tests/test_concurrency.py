@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+from servers import launch_mlx, launch_vllm
 from specgrammar_plugins import soak
 
 pytest.importorskip("jsonschema")
@@ -65,7 +66,7 @@ def _memory_returns_to_baseline(srv, host: str) -> None:
 
 
 def _served(launch, folder, **kw):
-    """A server from ``soak.launch_*`` for a module's tests, stopped after them."""
+    """A server from ``servers.launch_*`` for a module's tests, stopped after them."""
     from specgrammar_plugins.models import tiny_path
 
     if not (tiny_path("target") / "model.safetensors").exists():
@@ -88,7 +89,7 @@ def _burst_and_check(srv, kind: str) -> None:
 @pytest.fixture(scope="module", params=["draft", "batch"])
 def mlx_server(request, tmp_path_factory):
     pytest.importorskip("mlx_lm")
-    yield from _served(soak.launch_mlx, tmp_path_factory.mktemp(f"mlx-{request.param}"),
+    yield from _served(launch_mlx, tmp_path_factory.mktemp(f"mlx-{request.param}"),
                        draft=request.param == "draft")
 
 
@@ -100,7 +101,7 @@ def test_mlx_server_under_32_concurrent_mixed_requests(mlx_server):
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     pytest.importorskip("vllm")
-    yield from _served(soak.launch_vllm, tmp_path_factory.mktemp("vllm"))
+    yield from _served(launch_vllm, tmp_path_factory.mktemp("vllm"))
 
 
 def test_vllm_server_under_32_concurrent_mixed_requests(vllm_server):

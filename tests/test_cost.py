@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from specgrammar_plugins import ConstraintSpec, SamplingParams, compile_constraint
-from specgrammar_plugins.constraint import new_mask
+from specgrammar_plugins.masks import new_mask
 from specgrammar_plugins.cost import RegularCost, StructuralCost, Tilt, make_tilt
 from specgrammar_plugins.drafters import ChainDrafter, ForcedDrafter, ModelDrafter
 from specgrammar_plugins.loop import generate
@@ -31,7 +31,7 @@ def _brute_force_j(tok, compiled, prefix, limit=12):
         if d > limit:
             return float("inf")
         cur.fill_mask(row)
-        from specgrammar_plugins.constraint import allowed_ids
+        from specgrammar_plugins.masks import allowed_ids
 
         for t in allowed_ids(row, tok.vocab_size):
             if int(t) in tok.stop_token_ids:
@@ -68,7 +68,7 @@ def test_regular_j_matches_brute_force(toy_tok, pattern, walk_seed):
     m = c.matcher()
     prefix = []
     row = new_mask(toy_tok.vocab_size)
-    from specgrammar_plugins.constraint import allowed_ids
+    from specgrammar_plugins.masks import allowed_ids
 
     for _ in range(6):
         assert cost.cost_to_go(prefix) == _brute_force_j(toy_tok, c, prefix)

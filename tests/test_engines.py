@@ -19,8 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specgrammar_plugins.constraint import (CompileCache, ConstraintSpec, allowed_ids, compile_constraint,
-                                            mask_allows, mask_words)
+from specgrammar_plugins.compiler import CompileCache, compile_constraint
+from specgrammar_plugins.constraint import ConstraintSpec
+from specgrammar_plugins.masks import allowed_ids, mask_allows, mask_words
 from specgrammar_plugins.errors import ConstraintError
 from specgrammar_plugins.testing import toy_tokenizer
 from specgrammar_plugins.tokenizer import TokenizerInfo

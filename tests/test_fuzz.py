@@ -31,7 +31,9 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from conftest import available_engines
-from specgrammar_plugins.constraint import ConstraintSpec, allowed_ids, compile_constraint, new_mask
+from specgrammar_plugins.compiler import compile_constraint
+from specgrammar_plugins.constraint import ConstraintSpec
+from specgrammar_plugins.masks import allowed_ids, new_mask
 from specgrammar_plugins.errors import ConstraintError, SpecGrammarError
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -138,7 +140,7 @@ COMPILE_LIMIT_S = 10.0
 def _compile_limit():
     """The pure-Python reference engine (dfa) can take minutes on a few negated classes with repeats over a
     byte-level vocabulary: such a compile must end in the time-limit error (and is not walked)."""
-    from specgrammar_plugins import constraint as C
+    from specgrammar_plugins import compiler as C
 
     saved = C.LIMITS.compile_timeout_s
     C.LIMITS.compile_timeout_s = COMPILE_LIMIT_S
@@ -293,7 +295,7 @@ class _NoModel:
 @given(body=BODY)
 def test_mlx_server_plugin_request_fields(body):
     pytest.importorskip("mlx_lm")
-    from specgrammar_plugins.adapters.mlx_lm import server_plugin
+    from specgrammar_mlx_lm import server_plugin
 
     if not isinstance(body, dict):
         body = {"specgrammar": body}

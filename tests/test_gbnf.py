@@ -9,7 +9,7 @@ import pytest
 
 from conftest import needs_shared_data
 from specgrammar_plugins import ConstraintSpec, compile_constraint
-from specgrammar_plugins.constraint import allowed_ids, new_mask
+from specgrammar_plugins.masks import allowed_ids, new_mask
 from specgrammar_plugins.gbnf import normalize_gbnf, rewrite_class_star
 
 LEXER_DIFF = {"arithmetic"}

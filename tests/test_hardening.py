@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from specgrammar_plugins import ConstraintError, ConstraintSpec, compile_constraint
-from specgrammar_plugins import constraint as C
-from specgrammar_plugins.constraint import allowed_ids, new_mask
+from specgrammar_plugins import compiler as C
+from specgrammar_plugins.masks import allowed_ids, new_mask
 from specgrammar_plugins.distributions import GREEDY
 from specgrammar_plugins.drafters import ModelDrafter
 from specgrammar_plugins.loop import generate
@@ -257,7 +257,7 @@ def test_prompt_that_already_contains_the_trigger(toy_tok, engine):
 def test_compiled_grammars_are_held_only_by_the_bounded_cache(toy_tok):
     """xgrammar's GrammarCompiler cached every grammar it ever compiled (no limit by default), past our LRU: 600
     distinct schemas grew it by ~10 MB on a 1k vocabulary.  Now only ``CompileCache`` holds them."""
-    from specgrammar_plugins.constraint import CompileCache
+    from specgrammar_plugins.compiler import CompileCache
     from specgrammar_plugins.engines.xgrammar_engine import _COMPILERS
 
     cache = CompileCache(max_entries=4)

@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 from specgrammar_plugins import EmptyMaskError, SamplingParams, log_law, verify_block
-from specgrammar_plugins.constraint import pack_mask, unpack_mask
+from specgrammar_plugins.masks import pack_mask, unpack_mask
 from specgrammar_plugins.distributions import sample
 
 V = 7

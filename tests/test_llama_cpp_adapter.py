@@ -57,14 +57,14 @@ def draft_llama():
 
 @pytest.fixture(scope="module")
 def ours(draft_llama):
-    from specgrammar_plugins.adapters.llama_cpp import SpecLlama
+    from specgrammar_llama_cpp import SpecLlama
 
     return SpecLlama(str(TARGET), draft=draft_llama, k=4, **KW)
 
 
 @pytest.fixture(scope="module")
 def ours_nodraft():
-    from specgrammar_plugins.adapters.llama_cpp import SpecLlama
+    from specgrammar_llama_cpp import SpecLlama
 
     return SpecLlama(str(TARGET), k=4, **KW)
 
@@ -195,7 +195,7 @@ def test_two_constraints_are_refused(ours):
 
 
 def test_sampling_params_mapping():
-    from specgrammar_plugins.adapters.llama_cpp import sampling_params
+    from specgrammar_llama_cpp import sampling_params
 
     assert sampling_params(0.0, 40, 0.95, 0.05).greedy
     p = sampling_params(0.7, 40, 0.9, 0.1)
@@ -215,7 +215,7 @@ def test_seed_reaches_the_law(ours):
 
 def test_tokenizer_info_matches_the_hf_tokenizer(stock):
     """Token bytes read from the GGUF vocabulary equal the HF tokenizer's (the models share one)."""
-    from specgrammar_plugins.adapters.llama_cpp import tokenizer_info
+    from specgrammar_llama_cpp import tokenizer_info
     from specgrammar_plugins.models import tiny_tokenizer_info
 
     ours = tokenizer_info(stock)
@@ -229,7 +229,7 @@ def test_tokenizer_info_matches_the_hf_tokenizer(stock):
 def test_runner_rollback_and_rows(stock):
     """forward computes logits only for the rows asked, equal to one-at-a-time decoding; trim checks
     llama_memory_seq_rm's answer."""
-    from specgrammar_plugins.adapters.llama_cpp import LlamaRunner
+    from specgrammar_llama_cpp import LlamaRunner
 
     llm = llama_cpp.Llama(str(TARGET), **KW)
     r = LlamaRunner(llm)
@@ -248,7 +248,7 @@ def test_runner_rollback_and_rows(stock):
 
 def test_logprobs_with_logits_all_match_stock():
     """With logits_all=True the host reads logprobs from its scores buffer; our runner fills it like its eval."""
-    from specgrammar_plugins.adapters.llama_cpp import SpecLlama
+    from specgrammar_llama_cpp import SpecLlama
 
     kw = dict(KW, logits_all=True)
     prompt = chat_prompt(examples("email", "eval", 1)[0].prompt)
@@ -266,7 +266,7 @@ def test_logprobs_with_logits_all_match_stock():
 def test_recipe_pack_drafts_without_a_draft_model(stock):
     """Drafts from a recipe pack (built from the target's own greedy outputs) and forced tokens, no draft model:
     the output is unchanged and most tokens come from drafts."""
-    from specgrammar_plugins.adapters.llama_cpp import SpecLlama, tokenizer_info
+    from specgrammar_llama_cpp import SpecLlama, tokenizer_info
     from specgrammar_plugins.recipes import Sample, build
 
     gbnf = gbnf_for("tool_call")
@@ -288,7 +288,7 @@ def test_shipped_recipe_pack_loads_on_the_gguf(stock):
     """The shipped packs (built through the HF tokenizer, which stops on <|im_end|> only) bind to the GGUF's
     tokenizer, where llama.cpp also marks <|endoftext|> as end-of-generation: packs are bound to the token bytes,
     not the stop set (a pack was refused here with a fingerprint mismatch).  Greedy output unchanged."""
-    from specgrammar_plugins.adapters.llama_cpp import SpecLlama, tokenizer_info
+    from specgrammar_llama_cpp import SpecLlama, tokenizer_info
     from specgrammar_plugins.models import tiny_tokenizer_info
 
     assert tokenizer_info(stock).fingerprint != tiny_tokenizer_info().fingerprint  # the stop sets differ
@@ -322,7 +322,7 @@ def test_stopping_criteria_like_the_host(stock, ours):
 def test_cost_aware_options_finish_within_budget(ours):
     """specgrammar {"adaptive": true}: the tilted law steers to an end within max_tokens (the exact regular J);
     the same request without it runs into the limit mid-answer when the limit is below the model's answer."""
-    from specgrammar_plugins.constraint import compile_constraint
+    from specgrammar_plugins.compiler import compile_constraint
     from specgrammar_plugins.cost import cost_model_for
     from specgrammar_plugins.models import tiny_tokenizer_info
 

@@ -44,7 +44,7 @@ def stock():
 
 @pytest.fixture(scope="module")
 def ours():
-    from specgrammar_plugins.adapters.llama_cpp import SpecLlama
+    from specgrammar_llama_cpp import SpecLlama
 
     return SpecLlama(str(TARGET), draft=str(DRAFT), k=3, **KW)
 
@@ -56,9 +56,9 @@ def grammar(text):
 # ---------------------------------------------------------------------------------------------- the law at T > 0
 def exact_law(llm, prompt, gbnf, params):
     """P(output string) under the core law, enumerating every token path of the (finite) language."""
-    from specgrammar_plugins.adapters.llama_cpp import LlamaRunner, tokenizer_info
-    from specgrammar_plugins.adapters.llama_cpp.grammar import compile_for
-    from specgrammar_plugins.constraint import new_mask
+    from specgrammar_llama_cpp import LlamaRunner, tokenizer_info
+    from specgrammar_llama_cpp.grammar import compile_for
+    from specgrammar_plugins.masks import new_mask
     from specgrammar_plugins.distributions import log_law
 
     tok = tokenizer_info(llm)
@@ -103,7 +103,7 @@ def chi_square_p(samples, law):
 
 
 def test_law_at_positive_temperature_matches_the_stock_sampler(stock, ours):
-    from specgrammar_plugins.adapters.llama_cpp import sampling_params
+    from specgrammar_llama_cpp import sampling_params
 
     g = "root ::= [12] [0-9]"
     # filters that bite, where their order matters; the trained tiny target is peaked on this prompt (it answers
@@ -141,7 +141,7 @@ def test_host_draft_model_with_default_logits_all_raises(ours):
     logits_all argument (n_batch rows, llama.py:484): a prompt longer than n_batch raises ValueError.  SpecLlama
     needs no logits_all."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    from specgrammar_plugins.adapters.llama_cpp import SpecLlama
+    from specgrammar_llama_cpp import SpecLlama
 
     long_prompt = chat_prompt(" ".join(examples("prose", "eval", 3)[i].prompt for i in range(3)))
     kw = dict(KW, n_batch=16)
@@ -173,7 +173,7 @@ def test_host_processor_sees_unverified_drafts():
     """Host bug: under draft_model a logits_processor gets every evaluated id, drafts included, whatever position
     is sampled (llama.py:742).  A naive history-keyed mask then works from a wrong history; our
     GrammarLogitsProcessor(llama=...) finds the row being sampled and stays exact."""
-    from specgrammar_plugins.adapters.llama_cpp import GrammarLogitsProcessor
+    from specgrammar_llama_cpp import GrammarLogitsProcessor
 
     prompt = year_prompt()
     spec = ConstraintSpec.regex("[0-9]{4}")
@@ -213,7 +213,7 @@ def test_invalid_grammar_never_reaches_llama_cpp(ours, monkeypatch):
     """Host bug: LlamaGrammar.from_string does not validate, and an invalid grammar segfaults at sampler
     construction (_internals.py:755-759).  Ours raises ConstraintError first; llama.cpp is never called."""
     from llama_cpp import llama_grammar
-    from specgrammar_plugins.adapters.llama_cpp import safe_grammar
+    from specgrammar_llama_cpp import safe_grammar
 
     calls = []
 
@@ -236,7 +236,7 @@ def test_invalid_grammar_never_reaches_llama_cpp(ours, monkeypatch):
 
 
 def test_safe_grammar_for_the_stock_path(stock):
-    from specgrammar_plugins.adapters.llama_cpp import safe_grammar
+    from specgrammar_llama_cpp import safe_grammar
 
     g = safe_grammar(ConstraintSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}},
                                                  "required": ["a"]}), stock)
@@ -284,7 +284,7 @@ def test_host_logits_processor_with_logit_bias_drops_both(stock, ours):
 
 def test_rollback_checks_llama_memory_seq_rm(monkeypatch):
     """Host: the return value of kv_cache_seq_rm is ignored (llama.py:1010-1014).  Ours refuses to go on."""
-    from specgrammar_plugins.adapters.llama_cpp import LlamaRunner
+    from specgrammar_llama_cpp import LlamaRunner
 
     llm = llama_cpp.Llama(str(TARGET), **KW)
     r = LlamaRunner(llm)
@@ -298,7 +298,7 @@ def test_rollback_checks_llama_memory_seq_rm(monkeypatch):
 def test_grammar_draft_model_on_the_stock_path(stock):
     """Stock Llama + draft_model=GrammarDraftModel + grammar=safe_grammar: same greedy output as no drafting, and
     the drafts are grammar-valid (most are accepted)."""
-    from specgrammar_plugins.adapters.llama_cpp import GrammarDraftModel, safe_grammar
+    from specgrammar_llama_cpp import GrammarDraftModel, safe_grammar
 
     for workload in ("tool_call", "sql"):
         from specgrammar_plugins.workloads import constraint

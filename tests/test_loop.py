@@ -10,7 +10,7 @@ from scipy import stats
 
 from conftest import available_engines
 from specgrammar_plugins import ConstraintError, ConstraintSpec, SamplingParams, TokenizerMismatchError, compile_constraint
-from specgrammar_plugins.constraint import new_mask, unpack_mask
+from specgrammar_plugins.masks import new_mask, unpack_mask
 from specgrammar_plugins.distributions import GREEDY
 from specgrammar_plugins.drafters import ChainDrafter, ForcedDrafter, ModelDrafter
 from specgrammar_plugins.loop import SpeculativeLoop, generate

@@ -29,14 +29,14 @@ def tiny():
 
 
 def _processor(spec, tok, model):
-    from specgrammar_plugins.adapters.mlx_lm.processor import grammar_logits_processor
+    from specgrammar_mlx_lm.processor import grammar_logits_processor
 
     return grammar_logits_processor(spec, tok, model) if spec is not None else None
 
 
 # ------------------------------------------------------------------------------------------------ runner
 def test_runner_forward_trim_and_logits_match_a_fresh_pass(tiny):
-    from specgrammar_plugins.adapters.mlx_lm.runner import MLXRunner
+    from specgrammar_mlx_lm.runner import MLXRunner
 
     model, _, tok = tiny
     ids = prompt_ids(tok, "Find the year: The bridge opened in 1999.")
@@ -57,7 +57,7 @@ def test_runner_forward_trim_and_logits_match_a_fresh_pass(tiny):
 def test_runner_refuses_a_cache_it_cannot_trim(tiny):
     from mlx_lm.models.cache import ArraysCache
 
-    from specgrammar_plugins.adapters.mlx_lm.runner import MLXRunner, NotTrimmableCacheError
+    from specgrammar_mlx_lm.runner import MLXRunner, NotTrimmableCacheError
 
     model, _, _ = tiny
     with pytest.raises(NotTrimmableCacheError, match="trimmable"):
@@ -110,7 +110,7 @@ def test_stream_generate_responses_and_cache_state(tiny):
     from mlx_lm.generate import GenerationResponse
     from mlx_lm.models.cache import make_prompt_cache
 
-    from specgrammar_plugins.adapters.mlx_lm.generate import stream_generate
+    from specgrammar_mlx_lm.generate import stream_generate
 
     model, draft, tok = tiny
     ex = examples("json_extraction", "eval", 1)[0]
@@ -144,7 +144,7 @@ def test_stream_generate_responses_and_cache_state(tiny):
 def test_early_close_leaves_caches_at_yielded_tokens(tiny):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from specgrammar_plugins.adapters.mlx_lm.generate import stream_generate
+    from specgrammar_mlx_lm.generate import stream_generate
 
     model, draft, tok = tiny
     ex = examples("tool_call", "eval", 1)[0]
@@ -160,7 +160,7 @@ def test_early_close_leaves_caches_at_yielded_tokens(tiny):
 def test_twin_refuses_host_samplers_and_processors(tiny):
     from mlx_lm.sample_utils import make_sampler
 
-    from specgrammar_plugins.adapters.mlx_lm.generate import stream_generate
+    from specgrammar_mlx_lm.generate import stream_generate
 
     model, _, tok = tiny
     with pytest.raises(ValueError, match="sampler"):
@@ -169,29 +169,24 @@ def test_twin_refuses_host_samplers_and_processors(tiny):
         next(stream_generate(model, tok, [1, 2, 3], logits_processors=[lambda t, l: l]))
 
 
-def test_recipe_argument_reaches_the_draft_context(tiny, monkeypatch):
-    from specgrammar_plugins import drafters as D
-    from specgrammar_plugins.adapters.mlx_lm.generate import generate_tokens
+def test_recipe_argument_reaches_the_drafter_chain(tiny):
+    """``recipe=`` is handed to the chain's recipe drafter: a pack name that does not exist is refused by name, and
+    a shipped pack drafts."""
+    from specgrammar_plugins.recipes import RecipePackError
+    from specgrammar_mlx_lm.generate import generate_tokens
 
-    seen = []
-    real = D.build_chain
-
-    def spy(names, ctx):
-        seen.append((tuple(names), ctx.recipe))
-        ctx.recipe = None  # no such pack: only the plumbing is under test here
-        return real(names, ctx)
-
-    monkeypatch.setattr("specgrammar_plugins.adapters.mlx_lm.generate.build_chain", spy)
     model, draft, tok = tiny
-    generate_tokens(model, tok, prompt_ids(tok, "Find the year: 1999"), max_tokens=6, draft_model=draft,
-                    constraint=ConstraintSpec.regex(r"[0-9]{4}"), recipe="my-pack", temperature=0.0)
-    from specgrammar_plugins.requests import DEFAULT_DRAFTERS
-
-    assert seen == [(tuple(DEFAULT_DRAFTERS), "my-pack")]
+    with pytest.raises(RecipePackError, match="no-such-pack"):
+        generate_tokens(model, tok, prompt_ids(tok, "Find the year: 1999"), max_tokens=6, draft_model=draft,
+                        constraint=ConstraintSpec.regex(r"[0-9]{4}"), recipe="no-such-pack", temperature=0.0)
+    ex = examples("json_extraction", "eval", 1)[0]
+    _, st = generate_tokens(model, tok, prompt_ids(tok, ex.prompt), max_tokens=48, constraint=ex.constraint,
+                            recipe="json_extraction", drafters=["recipe"], temperature=0.0)
+    assert st.drafted_by_source.get("recipe", 0) > 0, st.drafted_by_source
 
 
 def test_blind_draft_is_still_exact_at_greedy(tiny):
-    from specgrammar_plugins.adapters.mlx_lm.generate import generate_tokens
+    from specgrammar_mlx_lm.generate import generate_tokens
 
     model, draft, tok = tiny
     ex = examples("sql", "eval", 1)[0]

@@ -27,7 +27,7 @@ def tiny():
 
 
 def _processor(spec, tok, model):
-    from specgrammar_plugins.adapters.mlx_lm.processor import grammar_logits_processor
+    from specgrammar_mlx_lm.processor import grammar_logits_processor
 
     return grammar_logits_processor(spec, tok, model) if spec is not None else None
 
@@ -42,7 +42,7 @@ def _cases():
 
 @pytest.mark.parametrize("workload,user,spec", _cases(), ids=[c[0] for c in _cases()])
 def test_greedy_equals_plain_generate_step(tiny, workload, user, spec):
-    from specgrammar_plugins.adapters.mlx_lm.generate import generate_tokens
+    from specgrammar_mlx_lm.generate import generate_tokens
 
     model, draft, tok = tiny
     ids = prompt_ids(tok, user)

@@ -40,7 +40,7 @@ pytest.importorskip("mlx_lm")
 from scipy import stats  # noqa: E402
 
 from specgrammar_plugins import ConstraintSpec  # noqa: E402
-from specgrammar_plugins.constraint import new_mask  # noqa: E402
+from specgrammar_plugins.masks import new_mask  # noqa: E402
 from specgrammar_plugins.distributions import SamplingParams, log_law  # noqa: E402
 from specgrammar_plugins.workloads import examples  # noqa: E402
 
@@ -67,8 +67,8 @@ def tiny():
 
 
 def law_case(tiny, case: str):
-    from specgrammar_plugins.adapters.mlx_lm.processor import compile_for
-    from specgrammar_plugins.adapters.mlx_lm.runner import output_width
+    from specgrammar_mlx_lm.processor import compile_for
+    from specgrammar_mlx_lm.runner import output_width
 
     model, draft, tok = tiny
     user, regex = CASES[case]
@@ -79,7 +79,7 @@ def law_case(tiny, case: str):
 
 def exact_law(model, ids, compiled, params) -> dict[tuple, float]:
     """P(token sequence) under plain constrained sampling, by enumeration (every sequence ends with a stop)."""
-    from specgrammar_plugins.adapters.mlx_lm.runner import MLXRunner
+    from specgrammar_mlx_lm.runner import MLXRunner
 
     runner = MLXRunner(model)
     stops = set(compiled.tokenizer.stop_token_ids)
@@ -122,7 +122,7 @@ def chi_square_p(samples: list[tuple], law: dict[tuple, float]) -> float:
 def ours_samples(model, draft, tok, ids, compiled, temperature) -> tuple[list[tuple], float]:
     from mlx_lm.models.cache import make_prompt_cache
 
-    from specgrammar_plugins.adapters.mlx_lm.generate import generate_tokens
+    from specgrammar_mlx_lm.generate import generate_tokens
 
     cache = make_prompt_cache(model) + make_prompt_cache(draft)
     out, emitted, passes = [], 0, 0
@@ -144,7 +144,7 @@ def mlx_plain_samples(model, tok, ids, compiled, temperature) -> list[tuple]:
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    from specgrammar_plugins.adapters.mlx_lm.processor import GrammarLogitsProcessor
+    from specgrammar_mlx_lm.processor import GrammarLogitsProcessor
 
     cache = make_prompt_cache(model)
     model(mx.array([ids[:-1]]), cache=cache)
@@ -189,8 +189,8 @@ def _ratio(model, draft, tok, runs, temperature) -> tuple[float, float]:
     """Tokens per target pass, ours and mlx-lm's speculative loop, over ``runs`` = [(prompt ids, constraint, seed)]."""
     from mlx_lm.sample_utils import make_sampler
 
-    from specgrammar_plugins.adapters.mlx_lm.generate import generate_tokens
-    from specgrammar_plugins.adapters.mlx_lm.processor import GrammarLogitsProcessor
+    from specgrammar_mlx_lm.generate import generate_tokens
+    from specgrammar_mlx_lm.processor import GrammarLogitsProcessor
 
     eos = set(tok.eos_token_ids)
     ours_tok = ours_pass = mlx_tok = mlx_pass = 0
@@ -210,8 +210,8 @@ def _ratio(model, draft, tok, runs, temperature) -> tuple[float, float]:
 @pytest.mark.parametrize("case", ["code", "code8", "json_extraction"])
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
 def test_tokens_per_target_pass_vs_mlx_speculative(tiny, temperature, case):
-    from specgrammar_plugins.adapters.mlx_lm.processor import compile_for
-    from specgrammar_plugins.adapters.mlx_lm.runner import output_width
+    from specgrammar_mlx_lm.processor import compile_for
+    from specgrammar_mlx_lm.runner import output_width
 
     model, draft, tok = tiny
     if case == "json_extraction":

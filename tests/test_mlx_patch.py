@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from specgrammar_plugins.adapters.mlx_lm import patch  # noqa: E402
+from specgrammar_mlx_lm import patch  # noqa: E402
 
 
 def _installed() -> Path:
@@ -124,7 +124,7 @@ def test_host_prompt_cache_off_by_one_with_a_draft_model_and_our_twin_does_not_h
     from mlx_lm import load, stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    from specgrammar_plugins.adapters.mlx_lm.generate import stream_generate as ours
+    from specgrammar_mlx_lm.generate import stream_generate as ours
     from specgrammar_plugins.workloads import examples
 
     t, d = tiny_model_dirs()

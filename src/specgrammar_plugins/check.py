@@ -14,7 +14,8 @@ import json
 import time
 from pathlib import Path
 
-from .constraint import ConstraintSpec, compile_constraint, policy_engines
+from .compiler import compile_constraint, policy_engines
+from .constraint import ConstraintSpec
 from .errors import ConstraintError
 
 ENGINES = ("xgrammar", "llguidance", "outlines_core", "dfa")

@@ -16,7 +16,7 @@ COMMANDS = {
     "bench": ("specgrammar_plugins.bench", "benchmarks: masks, strategies, recipes, scale"),
     "check": ("specgrammar_plugins.check", "compile a schema/grammar/regex with each engine and report"),
     "recipes": ("specgrammar_plugins.recipes_cli", "build, inspect, merge and measure recipe packs"),
-    "patch": ("specgrammar_plugins.adapters.mlx_lm.patch", "apply (or --revert) the host patch: patch mlx-lm"),
+    "patch": ("specgrammar_mlx_lm.patch", "apply (or --revert) the host patch: patch mlx-lm"),
     "soak": ("specgrammar_plugins.soak", "mixed-request soak of a server: validity, 400s, latency, RSS"),
 }
 

@@ -1,20 +1,14 @@
-"""What a constraint is (``ConstraintSpec``), how it is compiled once and cached, and the ``Matcher`` protocol
-every engine implements.
-
-Masks are packed int32 bitmask rows: bit ``j`` of word ``i`` set <=> token ``32*i + j`` allowed
-(the layout xgrammar and llguidance use), ``mask_words(vocab_size)`` words per row.
+"""What a constraint is (``ConstraintSpec``), the ``Matcher`` protocol every engine implements, and what an engine
+returns (``CompiledConstraint``).  Compiling, caching and the engine policy are in ``compiler.py``; packed masks in
+``masks.py``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import threading
-import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -25,62 +19,7 @@ KINDS = ("regex", "json_schema", "grammar", "json", "choice")
 GRAMMAR_SYNTAXES = ("gbnf", "lark", "ebnf")
 
 
-# ---------------------------------------------------------------------------------------------- packed masks
-def mask_words(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
-
-
-def new_mask(vocab_size: int, rows: int | None = None, fill: int = 0) -> np.ndarray:
-    shape = (mask_words(vocab_size),) if rows is None else (rows, mask_words(vocab_size))
-    return np.full(shape, fill, dtype=np.int32)
-
-
-def unpack_mask(mask: np.ndarray, vocab_size: int) -> np.ndarray:
-    """Packed int32 rows [..., W] -> bool [..., vocab_size]."""
-    m = np.ascontiguousarray(mask, dtype=np.int32)
-    bits = np.unpackbits(m.view(np.uint8).reshape(*m.shape[:-1], -1), axis=-1, bitorder="little")
-    return bits[..., :vocab_size].astype(bool)
-
-
-def pack_mask(allowed: np.ndarray) -> np.ndarray:
-    """bool [..., V] -> packed int32 [..., ceil(V/32)]."""
-    a = np.asarray(allowed, dtype=bool)
-    v = a.shape[-1]
-    pad = mask_words(v) * 32 - v
-    if pad:
-        a = np.concatenate([a, np.zeros((*a.shape[:-1], pad), dtype=bool)], axis=-1)
-    return np.packbits(a, axis=-1, bitorder="little").view(np.int32)
-
-
-def mask_allows(mask: np.ndarray, token: int) -> bool:
-    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
-
-
-def clear_bit(mask: np.ndarray, token: int) -> None:
-    """Disallow ``token`` in a packed row, in place."""
-    mask.view(np.uint32)[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
-
-
-def set_bit(mask: np.ndarray, token: int) -> None:
-    mask.view(np.uint32)[token >> 5] |= np.uint32(1 << (token & 31))
-
-
-def allowed_ids(mask: np.ndarray, vocab_size: int | None = None) -> np.ndarray:
-    bits = unpack_mask(mask, vocab_size or mask.shape[-1] * 32)
-    return np.flatnonzero(bits)
-
-
-def full_mask(vocab_size: int, exclude: Iterable[int] = ()) -> np.ndarray:
-    """Every token id below vocab_size allowed (minus ``exclude``)."""
-    allowed = np.ones(vocab_size, dtype=bool)
-    for t in exclude:
-        if 0 <= t < vocab_size:
-            allowed[t] = False
-    return pack_mask(allowed)
-
-
-# ---------------------------------------------------------------------------------------------- the spec
-def _canonical_json(value: Any) -> str:
+def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -156,7 +95,7 @@ class ConstraintSpec:
         return dict(self.options).get(name, default)
 
     def key(self) -> str:
-        return _canonical_json([self.kind, self.value, self.syntax, self.trigger, [list(o) for o in self.options]])
+        return canonical_json([self.kind, self.value, self.syntax, self.trigger, [list(o) for o in self.options]])
 
     def without_trigger(self) -> "ConstraintSpec":
         return ConstraintSpec(self.kind, self.value, self.syntax, None, self.options)
@@ -225,13 +164,12 @@ class CompiledConstraint:
     compile_ms: float = 0.0
     memory_bytes: int = 0
 
+    # set by the compiler for a spec with a trigger: ``wrap(compiled, inner) -> Matcher`` (``trigger.TriggeredMatcher``)
+    wrap: Any = field(default=None, repr=False)
+
     def matcher(self) -> Matcher:
         m = self.make_matcher(self)
-        if self.spec.trigger is not None:
-            from .trigger import TriggeredMatcher
-
-            return TriggeredMatcher(self, m)
-        return m
+        return self.wrap(self, m) if self.wrap is not None else m
 
 
 class Engine(Protocol):
@@ -240,204 +178,3 @@ class Engine(Protocol):
     name: str
 
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict) -> CompiledConstraint: ...
-
-
-# ---------------------------------------------------------------------------------------------- compile cache
-class CompileCache:
-    """LRU of compiled constraints keyed by (spec, tokenizer fingerprint, width, engine, options), bounded in
-    entries and in (engine-reported) bytes."""
-
-    def __init__(self, max_entries: int = 256, max_bytes: int = 512 << 20):
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[tuple, CompiledConstraint] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: tuple) -> CompiledConstraint | None:
-        with self._lock:
-            item = self._items.get(key)
-            if item is not None:
-                self._items.move_to_end(key)
-                self.hits += 1
-            else:
-                self.misses += 1
-            return item
-
-    def put(self, key: tuple, item: CompiledConstraint) -> None:
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._bytes -= old.memory_bytes
-            self._items[key] = item
-            self._bytes += item.memory_bytes
-            while self._items and (len(self._items) > self.max_entries or self._bytes > self.max_bytes):
-                _, ev = self._items.popitem(last=False)
-                self._bytes -= ev.memory_bytes
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-
-CACHE = CompileCache()
-DEFAULT_ENGINE = "xgrammar"
-
-
-@dataclass
-class Limits:
-    """Process-wide limits, configurable by environment (``SPECGRAMMAR_MAX_CONSTRAINT_BYTES``,
-    ``SPECGRAMMAR_COMPILE_TIMEOUT_S``, ``SPECGRAMMAR_COMPILE_ISOLATION``) or by assigning
-    ``constraint.LIMITS.<name>``.
-
-    compile_timeout_s: a compile that takes longer is abandoned: the request gets a ``ConstraintError`` at once.
-    With ``engine="auto"`` every engine but the last gets ``auto_try_s`` before the next is tried.
-    compile_isolation: how an abandoned compile is stopped, for engines with no resource limits of their own
-    (xgrammar, outlines-core, dfa: ``isolate = True``):
-
-    - ``"process"``: the compile runs in a worker process (``compile_worker``), which is killed at the limit: the
-      CPU and memory it used are given back at once.  The mlx-lm server plugin turns this on.
-    - ``"thread"`` (the library default): the compile runs in a thread; native code cannot be interrupted, so
-      the thread finishes in the background and its result is dropped.
-
-    llguidance always compiles in-process: its own fuel limits bound every compile and mask.
-    """
-
-    max_constraint_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_CONSTRAINT_BYTES", 1 << 20))
-    compile_timeout_s: float = float(os.environ.get("SPECGRAMMAR_COMPILE_TIMEOUT_S", 30.0))
-    auto_try_s: float = 2.0
-    compile_isolation: str = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "thread")
-
-
-LIMITS = Limits()
-_POOL = None
-_SLOW: set[tuple] = set()  # (spec key, tokenizer, engine) that ran out of compile time under "auto"
-
-
-def _compile_with_timeout(eng, spec, tokenizer, options, timeout: float):
-    global _POOL
-    prepare = getattr(eng, "prepare", None)
-    if prepare is not None:
-        # the engine's per-tokenizer set-up (its import, vocabulary index: importing xgrammar imports
-        # transformers, 5-15 s on a loaded 2-core machine) is not the grammar's compile: outside the limit
-        prepare(tokenizer)
-    if timeout is None or timeout <= 0:
-        return eng.compile(spec, tokenizer, options)
-    if LIMITS.compile_isolation == "process" and getattr(eng, "isolate", False):
-        from .compile_worker import POOL
-
-        return POOL.compile(eng, spec, tokenizer, options, timeout)
-    if LIMITS.compile_isolation != "thread":
-        raise ConstraintError(f"compile_isolation must be 'process' or 'thread', got {LIMITS.compile_isolation!r}")
-    if _POOL is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="specgrammar-compile")
-    fut = _POOL.submit(eng.compile, spec, tokenizer, options)
-    from concurrent.futures import TimeoutError as FutTimeout
-
-    try:
-        return fut.result(timeout=timeout)
-    except FutTimeout:
-        raise ConstraintError(f"compiling took longer than {timeout:g} s (the compile time limit); abandoned",
-                              engine=getattr(eng, "name", None), kind=spec.kind) from None
-
-
-# The engine policy ``engine="auto"``: per constraint kind, the engines to try in order (first that compiles wins).
-# JSON Schema: llguidance compiles in ~1-2 ms where xgrammar takes 100 ms to seconds, and refuses what it cannot
-# enforce; GBNF: llguidance takes llama.cpp's grammars verbatim; regex: xgrammar has the fastest masks.
-POLICY: dict[str, tuple[str, ...]] = {
-    "json_schema": ("llguidance", "xgrammar"),
-    "json": ("xgrammar", "llguidance"),
-    "regex": ("xgrammar", "llguidance", "outlines_core", "dfa"),
-    "choice": ("xgrammar", "llguidance", "outlines_core", "dfa"),
-    "grammar:gbnf": ("llguidance", "xgrammar"),
-    "grammar:lark": ("llguidance", "xgrammar"),
-    "grammar:ebnf": ("xgrammar",),
-}
-
-
-def policy_engines(spec: ConstraintSpec) -> tuple[str, ...]:
-    return POLICY[f"grammar:{spec.syntax}" if spec.kind == "grammar" else spec.kind]
-
-
-def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str | None = None,
-                       cache: CompileCache | None = CACHE, *, _timeout: float | None = None,
-                       **options) -> CompiledConstraint:
-    """Compile ``spec`` for ``tokenizer`` with ``engine`` (default xgrammar; ``"auto"`` = the policy above), once:
-    later calls hit the cache.
-
-    JSON Schemas are checked first in strict mode (the default; spec option ``strict``): a keyword the engine does
-    not enforce is an error naming it and its JSON pointer (see ``schema.py``).
-    Raises ``ConstraintError`` with the engine's reason for anything the engine refuses.
-    """
-    engine = engine or DEFAULT_ENGINE
-    size = len(spec.value.encode("utf-8")) if isinstance(spec.value, str) else len(spec.key())
-    if size > LIMITS.max_constraint_bytes:
-        raise ConstraintError(f"the constraint is {size} bytes; the limit is {LIMITS.max_constraint_bytes} "
-                              "(SPECGRAMMAR_MAX_CONSTRAINT_BYTES)", engine=engine, kind=spec.kind)
-    from .emptiness import check_not_empty
-
-    check_not_empty(spec, engine)  # a language with no string at all: refused before any engine runs
-    if engine == "auto":
-        errors: list[ConstraintError] = []
-        names = policy_engines(spec)
-        for i, name in enumerate(names):
-            slow_key = (spec.without_trigger().key(), tokenizer.fingerprint, name)
-            if slow_key in _SLOW and i < len(names) - 1:
-                continue  # this engine already ran out of time on this constraint: go straight to the next
-            try:
-                timeout = LIMITS.compile_timeout_s if i == len(names) - 1 else min(LIMITS.auto_try_s,
-                                                                                    LIMITS.compile_timeout_s)
-                return compile_constraint(spec, tokenizer, name, cache, _timeout=timeout, **options)
-            except ConstraintError as e:
-                if "compile time limit" in e.reason:
-                    if len(_SLOW) > 4096:
-                        _SLOW.clear()
-                    _SLOW.add(slow_key)
-                if "needs the" in e.reason and "package" in e.reason:  # engine not installed: try the next one
-                    continue
-                errors.append(e)
-        if not errors:
-            raise ConstraintError("no engine for this constraint is installed", engine="auto", kind=spec.kind)
-        if len(errors) == 1:
-            raise errors[0]
-        raise ConstraintError("; ".join(f"{e.engine}: {e.reason}" for e in errors), engine="auto", kind=spec.kind)
-    from .plugins import get_engine
-
-    key = (spec.without_trigger().key(), tokenizer.fingerprint, tokenizer.vocab_size, engine,
-           _canonical_json(sorted(options.items())))
-    hit = cache.get(key) if cache is not None else None
-    if hit is None:
-        if spec.kind == "json_schema" and spec.option("strict", True):
-            from .schema import ENFORCED, require_supported
-
-            if engine in ENFORCED:
-                require_supported(spec.schema, engine)
-        eng = get_engine(engine)
-        t0 = time.perf_counter()
-        try:
-            hit = _compile_with_timeout(eng, spec.without_trigger(), tokenizer, options,
-                                        LIMITS.compile_timeout_s if _timeout is None else _timeout)
-        except ConstraintError:
-            raise
-        except Exception as e:  # an engine's own exception type: report its words under ours
-            raise ConstraintError(f"{type(e).__name__}: {e}", engine=engine, kind=spec.kind) from e
-        hit.compile_ms = (time.perf_counter() - t0) * 1e3
-        if cache is not None:
-            cache.put(key, hit)
-    if spec.trigger is None:
-        return hit
-    # same compiled grammar, a spec that remembers the trigger
-    return CompiledConstraint(spec, hit.tokenizer, hit.engine, hit.compiled, hit.make_matcher, hit.compile_ms,
-                              hit.memory_bytes)

@@ -39,8 +39,9 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from .constraint import CompiledConstraint, ConstraintSpec, compile_constraint
-from .processor import common_prefix_len
+from .compiler import compile_constraint
+from .constraint import CompiledConstraint, ConstraintSpec
+from .prefix import common_prefix_len
 from .tokenizer import TokenizerInfo
 
 INF = float("inf")

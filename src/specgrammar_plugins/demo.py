@@ -15,7 +15,6 @@ import argparse
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ def run_demo(n: int, k: int, temperature: float, max_tokens: int, workloads, eng
     from mlx_lm import load
 
     from . import workloads as W
-    from .adapters.mlx_lm.generate import stream_generate
+    from specgrammar_mlx_lm.generate import stream_generate
     from .models import tiny_path
 
     t_load = time.perf_counter()
@@ -50,7 +49,7 @@ def run_demo(n: int, k: int, temperature: float, max_tokens: int, workloads, eng
         f"engine={engine or 'default'}\n")
     total = {"tokens": 0, "passes": 0, "drafted": 0, "accepted": 0, "forced": 0, "valid": 0, "outputs": 0}
     t0 = time.perf_counter()
-    from .bench.mlx_host import shipped_pack
+    from .recipes import shipped_pack
 
     for w in workloads:
         spec = W.constraint(w)
@@ -90,18 +89,11 @@ def run_demo(n: int, k: int, temperature: float, max_tokens: int, workloads, eng
 
 def _patched_root() -> tuple[Path, str]:
     """Where a patched mlx_lm lives: the installed one if patched, else a patched copy in a temp folder."""
-    import importlib.util
-    import shutil
+    from specgrammar_mlx_lm.patch import patched_root
 
-    from .adapters.mlx_lm import patch
-
-    src = Path(list(importlib.util.find_spec("mlx_lm").submodule_search_locations)[0])
-    patches = patch.parse_diff(patch.diff_path().read_text())
-    if patch.state(src.parent, patches) == "applied":
-        return src.parent, "installed mlx-lm (patched)"
-    root = Path(tempfile.mkdtemp(prefix="specgrammar-mlx-"))
-    shutil.copytree(src, root / "mlx_lm", ignore=shutil.ignore_patterns("__pycache__"))
-    patch.run(root, out=lambda *_: None)
+    root, installed = patched_root()
+    if installed:
+        return root, "installed mlx-lm (patched)"
     return root, f"a patched copy of mlx-lm in {root} (run `specgrammar patch mlx-lm` to patch the installed one)"
 
 
@@ -155,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         print("specgrammar demo: the bundled tiny models are missing (build them: python scripts/build_models.py)",
               file=sys.stderr)
         return 2
-    from .adapters.mlx_lm.blas import reexec_with_openblas
+    from specgrammar_mlx_lm.blas import reexec_with_openblas
 
     if not args.serve:
         reexec_with_openblas("specgrammar_plugins.demo", argv)

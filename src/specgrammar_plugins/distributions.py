@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .constraint import unpack_mask
+from .masks import unpack_mask
 from .errors import EmptyMaskError
 
 NEG_INF = -np.inf

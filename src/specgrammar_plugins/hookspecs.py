@@ -13,8 +13,8 @@ and exposed in its ``pyproject.toml``::
     [project.entry-points.specgrammar]
     my_plugin = "my_package.my_module"
 
-The built-in engines, drafters and request parsers are registered by ``specgrammar_plugins.default_plugins``
-through these very hooks (no special path).  Plugins are loaded once, lazily, on first use; set
+The built-in engines, drafters, request parsers and cost models are registered by the modules of
+``specgrammar_plugins.default_plugins`` through these very hooks (no special path).  Plugins are loaded once, lazily, on first use; set
 ``SPECGRAMMAR_PLUGINS`` to a comma-separated allowlist of entry-point names (empty string = none) to restrict them.
 """
 
@@ -34,8 +34,11 @@ def register_engines(register):
 
 @hookspec
 def register_drafters(register):
-    """Register drafter factories: ``register(name, factory)``; ``factory(**options) -> Drafter`` (see
-    ``drafters.Drafter``).  Names are what a request's ``specgrammar.drafters`` list refers to.  Called once."""
+    """Register drafter factories: ``register(name, factory)``; ``factory(ctx) -> Drafter | None`` gets one
+    request's ``drafters.DraftContext`` (tokenizer, sampling params, rng, the draft model's runner, the target's
+    width, the recipe pack and the request's extra ``specgrammar`` options) and returns its drafter, or None when it
+    has nothing to work with (no draft model, no pack): it is then left out of the chain (see ``block.Drafter`` for
+    the protocol).  Names are what a request's ``specgrammar.drafters`` list refers to.  Called once."""
 
 
 @hookspec

@@ -18,11 +18,12 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .block import DraftBlock, Drafter, ModelRunner, fill
 from .constraint import CompiledConstraint, Matcher
 from .distributions import SamplingParams, log_law
-from .drafters import DraftBlock, Drafter, ModelRunner, observe
+from .drafters import observe
 from .errors import ConstraintError
-from .processor import common_prefix_len
+from .prefix import sync_runner
 from .verify import verify_block
 
 
@@ -137,13 +138,7 @@ class SpeculativeLoop:
     # -------------------------------------------------------------------------------------------- helpers
     def _prefill(self) -> None:
         """Bring the target cache to prompt[:-1], reusing any common prefix it already holds."""
-        want = self.prompt[:-1]
-        have = list(self.target.tokens)
-        lcp = common_prefix_len(have, want)
-        if len(have) > lcp:
-            self.target.trim(len(have) - lcp)
-        if len(want) > lcp:
-            self.target.forward(want[lcp:], logits_for=0)
+        sync_runner(self.target, self.prompt[:-1])
 
     def _round(self) -> Commit:
         remaining = self.max_tokens - len(self.emitted)
@@ -151,10 +146,8 @@ class SpeculativeLoop:
         free = max(0, min(self.free_forced, remaining - 1 - budget))
         block = DraftBlock([*self.prompt, *self.emitted], self.matcher, self.width, max(budget, 0),
                            self.stop_token_ids, self.tilt_fn, prompt_len=len(self.prompt), free=free)
-        if self.drafter is not None and budget > 0:
-            while not block.done:
-                if self.drafter.extend(block, block.room) == 0:
-                    break
+        if budget > 0:
+            fill(block, self.drafter)
         masks, tilts = block.finish()
         pending = self.prompt[-1] if not self.emitted else self.emitted[-1]
         t0 = time.perf_counter()

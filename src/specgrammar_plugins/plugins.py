@@ -1,7 +1,12 @@
-"""The plugin manager: built-ins and entry-point plugins, loaded once, lazily, through the same hooks."""
+"""The plugin manager: built-ins and entry-point plugins, loaded once, lazily, through the same hooks.
+
+The built-ins (``default_plugins/``) are loaded by module name, like entry points, so this registry imports none of
+the things they register and sits near the bottom of the layers (``docs/ARCHITECTURE.md``).
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from typing import Any, Callable
@@ -10,6 +15,13 @@ import pluggy
 
 from . import hookspecs
 from .errors import ConstraintError
+
+BUILTINS = (
+    "specgrammar_plugins.default_plugins.engines",
+    "specgrammar_plugins.default_plugins.drafters",
+    "specgrammar_plugins.default_plugins.requests",
+    "specgrammar_plugins.default_plugins.cost",
+)
 
 _lock = threading.RLock()
 _pm: pluggy.PluginManager | None = None
@@ -22,9 +34,8 @@ def get_plugin_manager() -> pluggy.PluginManager:
         if _pm is None:
             pm = pluggy.PluginManager("specgrammar")
             pm.add_hookspecs(hookspecs)
-            from . import default_plugins
-
-            pm.register(default_plugins, name="specgrammar.builtin")
+            for name in BUILTINS:
+                pm.register(importlib.import_module(name), name=name)
             allow = os.environ.get("SPECGRAMMAR_PLUGINS")
             if allow is None:
                 pm.load_setuptools_entrypoints("specgrammar")

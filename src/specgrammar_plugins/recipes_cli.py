@@ -15,10 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from tqdm.auto import tqdm
 
 from . import recipes as R
+from .compiler import compile_constraint
+from .distributions import SamplingParams
+from .requests import SpecOptions
+from .speculation import make_loop
 
 
 def _default_model() -> str:
@@ -50,7 +60,7 @@ def load_target(model: str | None):
     try:
         from mlx_lm import load
 
-        from .adapters.mlx_lm.runner import MLXRunner
+        from specgrammar_mlx_lm.runner import MLXRunner
     except ImportError as e:
         raise SystemExit(f"building and measuring packs runs the target through mlx-lm: {e}") from None
     model_obj, _ = load(path)
@@ -67,6 +77,119 @@ def _workloads(names):
         if w not in STRUCTURED:
             raise SystemExit(f"unknown structured workload {w!r}; expected one of {', '.join(STRUCTURED)}")
     return names
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+def sample(runner, tokenizer, examples, *, k: int = 4, temperature: float = 1.0, max_tokens: int = 96,
+           engine: str | None = None, seed: int = 0, prompt_fn=None, progress: bool = True, self_draft: int = 25,
+           build_kw: dict | None = None) -> list[R.Sample]:
+    """Verified labels: ``k`` outputs of the target per example, by constrained sampling through the core loop.
+
+    With ``self_draft > 0`` the loop drafts from a pack built from the samples so far (rebuilt every
+    ``self_draft``, 2 x, 4 x ... prompts, ``build_kw`` as for ``build``): the loop is lossless, so the samples have exactly the law
+    of plain constrained sampling (``SpeculativeLoop(drafter=None)``); drafting only saves target passes.
+
+    ``examples``: items with ``prompt`` (user text) and ``constraint`` (ConstraintSpec or None), e.g.
+    ``workloads.examples(w, "train")``; ``prompt_fn`` maps the user text to the model's prompt text (default:
+    ``workloads.chat_prompt``)."""
+    if prompt_fn is None:
+        from .workloads import chat_prompt as prompt_fn
+    if tokenizer.encode is None:
+        raise ValueError("the tokenizer has no encode function")
+    params = SamplingParams(temperature=temperature)
+    rng = np.random.default_rng(seed)
+    out: list[R.Sample] = []
+    it = tqdm(examples, desc="sampling", unit="prompt", disable=not progress)
+    pack = None
+    next_build = self_draft
+    for n_ex, ex in enumerate(it):
+        if self_draft and n_ex == next_build:
+            pack = R.build(out, tokenizer, **(build_kw or {}))
+            next_build *= 2
+        spec = getattr(ex, "constraint", None)
+        c = None if spec is None else compile_constraint(spec, tokenizer, engine=engine)  # compiled once: cached
+        prompt = tuple(tokenizer.encode(prompt_fn(ex.prompt)))
+        options = SpecOptions(k=16, drafters=("forced", "recipe"), recipe=pack) if pack is not None else SpecOptions(k=0)
+        for _ in range(k):
+            loop = make_loop(runner, prompt, options, constraint=c, tokenizer=tokenizer, params=params,
+                             max_tokens=max_tokens, rng=rng)
+            out.append(R.Sample(prompt, tuple(loop.generate()), getattr(ex, "workload", None)))
+    return out
+
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def evaluate(runner, tokenizer, examples, *, pack=None, drafters: Sequence[str] = ("forced", "recipe"), k: int = 8,
+             temperature: float = 0.0, max_tokens: int = 96, engine: str | None = None, seed: int = 0,
+             prompt_fn=None, check_greedy: bool = False, suffix_index=None) -> dict:
+    """Run ``examples`` through the core loop with the named drafter chain and report: coverage (share of emitted
+    tokens that came from recipes), acceptance, tokens per target pass, and (``check_greedy``) whether every output
+    equals plain constrained decoding's.  ``drafters`` may name "suffix" (uses ``suffix_index``, which the loop
+    teaches each finished request)."""
+    from .loop import Stats
+
+    if prompt_fn is None:
+        from .workloads import chat_prompt as prompt_fn
+    params = SamplingParams(temperature=temperature)
+    rng = np.random.default_rng(seed)
+    tot = Stats()
+    same = 0
+    wall = 0.0
+    for ex in examples:
+        spec = getattr(ex, "constraint", None)
+        c = None if spec is None else compile_constraint(spec, tokenizer, engine=engine)  # compiled once: cached
+        prompt = tokenizer.encode(prompt_fn(ex.prompt))
+        opts = {"suffix_index": suffix_index} if suffix_index is not None else {}
+        options = SpecOptions(k=k if drafters else 0, drafters=tuple(drafters), recipe=pack, extra=opts)
+        loop = make_loop(runner, prompt, options, constraint=c, tokenizer=tokenizer, params=params,
+                         max_tokens=max_tokens, rng=rng)
+        out = loop.generate()
+        st = loop.stats
+        wall += st.wall_s
+        tot.emitted += st.emitted
+        tot.target_passes += st.target_passes
+        tot.drafted += st.drafted
+        tot.accepted += st.accepted
+        for src, n in st.accepted_by_source.items():
+            tot.accepted_by_source[src] = tot.accepted_by_source.get(src, 0) + n
+        for src, n in st.drafted_by_source.items():
+            tot.drafted_by_source[src] = tot.drafted_by_source.get(src, 0) + n
+        if check_greedy:
+            ref = make_loop(runner, prompt, SpecOptions(k=0), constraint=c, tokenizer=tokenizer, params=params,
+                            max_tokens=max_tokens, rng=rng).generate()
+            same += ref == out
+    rec = tot.accepted_by_source.get("recipe", 0) + tot.accepted_by_source.get("suffix", 0)
+    res = {
+        "requests": len(examples), "emitted": tot.emitted, "target_passes": tot.target_passes,
+        "tokens_per_pass": tot.tokens_per_pass, "acceptance": tot.acceptance,
+        "coverage": rec / tot.emitted if tot.emitted else 0.0,
+        "forced_share": tot.accepted_by_source.get("forced", 0) / tot.emitted if tot.emitted else 0.0,
+        "drafted_by_source": dict(tot.drafted_by_source), "accepted_by_source": dict(tot.accepted_by_source),
+        "wall_s": wall,
+    }
+    if check_greedy:
+        res["greedy_equal"] = same
+    return res
+
+
+def benchmark_lookup(pack, contexts: Sequence[Sequence[int]], repeat: int = 5) -> dict:
+    """Median/p90 wall time of one ``pack.lookup`` call over ``contexts`` (each timed in a batch of calls)."""
+    if not contexts:
+        return {"calls": 0}
+    per_call = []
+    batch = 200
+    for ctx in contexts:
+        ctx = list(ctx)
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter_ns()
+            for _ in range(batch):
+                pack.lookup(ctx)
+            best = min(best, (time.perf_counter_ns() - t0) / batch)
+        per_call.append(best / 1e3)
+    per_call.sort()
+    return {"calls": len(per_call), "median_us": statistics.median(per_call),
+            "p90_us": per_call[int(0.9 * (len(per_call) - 1))], "max_us": per_call[-1]}
 
 
 def cmd_build(a) -> int:
@@ -86,7 +209,7 @@ def cmd_build(a) -> int:
             print(f"{w}: {len(samples)} samples from {cache}", file=sys.stderr)
         else:
             print(f"{w}: sampling {len(exs)} train prompts x {a.k}", file=sys.stderr)
-            samples = R.sample(runner, tok, exs, k=a.k, temperature=a.temperature, max_tokens=a.max_tokens,
+            samples = sample(runner, tok, exs, k=a.k, temperature=a.temperature, max_tokens=a.max_tokens,
                                engine=a.engine, seed=a.seed, progress=not a.quiet)
             if cache is not None:
                 cache.parent.mkdir(parents=True, exist_ok=True)
@@ -167,7 +290,7 @@ def cmd_stats(a) -> int:
     rows = []
     for w in names:
         exs = examples(w, "eval", a.n)
-        res = R.evaluate(runner, tok, exs, pack=pack, drafters=a.drafters.split(","), k=a.k, engine=a.engine,
+        res = evaluate(runner, tok, exs, pack=pack, drafters=a.drafters.split(","), k=a.k, engine=a.engine,
                          max_tokens=a.max_tokens, check_greedy=a.check)
         res["workload"] = w
         rows.append(res)
@@ -178,7 +301,7 @@ def cmd_stats(a) -> int:
             p = tok.encode(chat_prompt(ex.prompt))
             ref = tok.encode(ex.reference)
             contexts += [p + ref[:i] for i in range(len(ref) + 1)]
-    print(json.dumps({"lookup": R.benchmark_lookup(pack, contexts), "pack": pack.stats()}))
+    print(json.dumps({"lookup": benchmark_lookup(pack, contexts), "pack": pack.stats()}))
     return 0
 
 
@@ -195,13 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--max-tokens", type=int, default=96)
     b.add_argument("--model", help="target model folder (default: the bundled tiny target)")
     b.add_argument("--engine", help="grammar engine (default: the core's)")
-    b.add_argument("--min-count", type=int, default=R.DEFAULTS["min_count"])
-    b.add_argument("--agree", type=float, default=R.DEFAULTS["agree"])
-    b.add_argument("--max-recipes", type=int, default=R.DEFAULTS["max_recipes"])
+    b.add_argument("--min-count", type=int, default=R.pack.DEFAULTS["min_count"])
+    b.add_argument("--agree", type=float, default=R.pack.DEFAULTS["agree"])
+    b.add_argument("--max-recipes", type=int, default=R.pack.DEFAULTS["max_recipes"])
     b.add_argument("--misses", help="a miss log (JSON lines) to fold in")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--samples", help="folder caching the verified samples per workload (reused when present)")
-    b.add_argument("--dir", default=str(R.SHIPPED_DIR), help="output folder (default: the shipped recipes/)")
+    b.add_argument("--dir", default="recipes", help="output folder (default: recipes/, the shipped packs' folder "
+                   "when run from the repository's root)")
     b.add_argument("-o", "--out", help="output file (one workload, or the merged pack)")
     b.add_argument("--merged", action="store_true", help="also write the merged pack (structured.json)")
     b.add_argument("--merged-only", action="store_true", help="write only the merged pack")
@@ -217,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("merge", help="merge packs for one tokenizer")
     m.add_argument("packs", nargs="+")
     m.add_argument("-o", "--output", required=True)
-    m.add_argument("--agree", type=float, default=R.DEFAULTS["agree"])
+    m.add_argument("--agree", type=float, default=R.pack.DEFAULTS["agree"])
     m.add_argument("--max-recipes", type=int, default=None)
     m.add_argument("--model")
     m.set_defaults(fn=cmd_merge)

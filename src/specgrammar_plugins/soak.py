@@ -1,8 +1,8 @@
-"""``specgrammar soak``: a long burst of mixed requests against a running (or launched) server, with a report.
+"""``specgrammar soak``: a long burst of mixed requests against a running server, with a report.
 
-    specgrammar soak --launch mlx -n 2000 -c 8          # starts mlx_lm.server --plugin specgrammar on the tiny pair
-    specgrammar soak --launch vllm -n 500 -c 8          # our vLLM launcher with GrammarProposer
-    specgrammar soak --url http://127.0.0.1:8080 --pid 1234 -n 2000   # a server you started
+    specgrammar demo --serve --port 8080 &              # mlx_lm.server --plugin specgrammar on the tiny pair
+    specgrammar soak --url http://127.0.0.1:8080 --pid $! -n 2000 -c 8
+    specgrammar soak --url http://127.0.0.1:8000 --host-kind vllm -n 500   # our vLLM launcher (specgrammar_vllm.serve)
 
 The mix (seeded, ``mixed_jobs``): constrained requests over the structured workloads in every request spelling
 the host reads (streaming and not), unconstrained prose, invalid constraints (each must be answered with HTTP 400)
@@ -12,7 +12,7 @@ SQL grammar's regex), one cut by ``max_tokens`` (``length``) must be a prefix of
 matcher).  The report counts each outcome and gives latency p50/p99 and the server's RSS (``/proc/PID/status``
 VmRSS) at the start, at its peak and at the end.
 
-The request mix and the launchers are what ``tests/test_concurrency.py`` uses too.
+The request mix is what ``tests/test_concurrency.py`` sends too (its servers come from ``tests/servers.py``).
 """
 
 from __future__ import annotations
@@ -20,18 +20,14 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import random
-import shutil
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import workloads as W
@@ -129,7 +125,7 @@ _PREFIX: dict = {}
 def in_language_prefix(workload: str, text: str) -> bool:
     """``text`` can be continued to a string of ``workload``'s language (walked through an llguidance matcher
     on the bundled tiny tokenizer: the check is on bytes, any byte-level vocabulary spells them)."""
-    from .constraint import compile_constraint
+    from .compiler import compile_constraint
     from .models import tiny_tokenizer_info
 
     if "tok" not in _PREFIX:
@@ -292,122 +288,6 @@ def report(results: list[Result], wall: float, rss: tuple[int, int, int] | None)
     return out
 
 
-# ---------------------------------------------------------------------------------------------- launchers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def patched_mlx_root(dest: Path) -> Path:
-    """A folder to put first on PYTHONPATH so ``mlx_lm`` is patched: the venv's own when it already is, else a
-    patched copy under ``dest`` (``specgrammar patch mlx-lm --target``; the venv's mlx-lm is left alone)."""
-    import importlib.util
-
-    from .adapters.mlx_lm import patch
-
-    src = Path(list(importlib.util.find_spec("mlx_lm").submodule_search_locations)[0])
-    if (src / "server_plugins.py").exists():
-        return src.parent
-    if not (dest / "mlx_lm" / "server_plugins.py").exists():
-        shutil.copytree(src, dest / "mlx_lm", ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
-        if patch.run(dest, out=lambda *_: None) != "applied":
-            raise RuntimeError("could not patch the copy of mlx-lm")
-    return dest
-
-
-@dataclass
-class Launched:
-    """A server process we started on 127.0.0.1 (``stop()`` ends it and its process group)."""
-
-    proc: subprocess.Popen
-    port: int
-    log: Path
-    host: str = "127.0.0.1"
-    _fh: object = field(default=None, repr=False)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self) -> None:
-        import signal
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        if self._fh:
-            self._fh.close()
-
-
-def _wait_ready(srv: Launched, path: str, startup_s: float) -> Launched:
-    deadline = time.monotonic() + startup_s
-    while True:
-        if srv.proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {srv.proc.returncode}:\n{srv.log.read_text()[-3000:]}")
-        try:
-            conn = http.client.HTTPConnection(srv.host, srv.port, timeout=60)
-            if path == "/health":
-                conn.request("GET", path)
-            else:
-                conn.request("POST", path, body=json.dumps({"model": "default_model", "max_tokens": 1,
-                                                            "messages": [{"role": "user", "content": "hi"}]}),
-                             headers={"Content-Type": "application/json"})
-            if conn.getresponse().status == 200:
-                return srv
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            srv.stop()
-            raise RuntimeError(f"the server was not ready within {startup_s:g} s:\n{srv.log.read_text()[-3000:]}")
-        time.sleep(0.5)
-
-
-def launch_mlx(workdir: Path, draft: bool = True, max_tokens: int = 64, extra: list[str] = (),
-               startup_s: float = 180.0) -> Launched:
-    """``mlx_lm.server --plugin specgrammar`` on the bundled tiny target (and draft), ready to serve."""
-    from .models import tiny_path
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    root = patched_mlx_root(workdir / "mlx")
-    args = ["--model", str(tiny_path("target")), "--max-tokens", str(max_tokens)]
-    if draft:
-        args += ["--draft-model", str(tiny_path("draft")), "--num-draft-tokens", "4"]
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-               TOKENIZERS_PARALLELISM="false")
-    log = workdir / f"mlx-server-{port}.log"
-    fh = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--host", "127.0.0.1", "--port", str(port),
-                             "--plugin", "specgrammar", *args, *extra], stdout=fh, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    return _wait_ready(Launched(proc, port, log, _fh=fh), "/v1/chat/completions", startup_s)
-
-
-def launch_vllm(workdir: Path, k: int = 4, extra: list[str] = (), startup_s: float = 300.0) -> Launched:
-    """Our vLLM launcher (``adapters.vllm.serve``) with GrammarProposer on the tiny target, engine in-process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so one PID holds all request state), served as ``default_model``."""
-    from .models import tiny_path
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
-    log = workdir / f"vllm-server-{port}.log"
-    fh = open(log, "w")
-    cmd = [sys.executable, "-m", "specgrammar_plugins.adapters.vllm.serve", str(tiny_path("target")),
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "default_model", "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "512", "--grammar-spec", str(k), "--uvicorn-log-level", "warning",
-           *extra]
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return _wait_ready(Launched(proc, port, log, _fh=fh), "/health", startup_s)
-
-
-# ---------------------------------------------------------------------------------------------- command
 def soak(host: str, port: int, pid: int | None, jobs: list[Job], concurrency: int) -> dict:
     start = rss_kib(pid) if pid else 0
     t0 = time.perf_counter()
@@ -421,42 +301,28 @@ def soak(host: str, port: int, pid: int | None, jobs: list[Job], concurrency: in
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specgrammar soak", description=__doc__.splitlines()[0])
+    ap.add_argument("--url", required=True, help="the running server, e.g. http://127.0.0.1:8080")
+    ap.add_argument("--pid", type=int, default=None, help="its process id, for RSS")
+    ap.add_argument("--host-kind", choices=("mlx", "vllm"), default="mlx",
+                    help="which request spellings to send (default mlx)")
     ap.add_argument("-n", "--requests", type=int, default=2000)
     ap.add_argument("-c", "--concurrency", type=int, default=8)
-    ap.add_argument("--launch", choices=("mlx", "vllm"), default=None,
-                    help="start this server on the tiny models (default: mlx unless --url is given)")
-    ap.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8080")
-    ap.add_argument("--pid", type=int, default=None, help="its process id, for RSS (with --url)")
-    ap.add_argument("--host-kind", choices=("mlx", "vllm"), default=None,
-                    help="which request spellings to send to --url (default mlx)")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--no-draft", action="store_true", help="mlx: serve without the draft model (batching path)")
     ap.add_argument("--warmup", type=int, default=16, help="requests sent before the RSS baseline is read")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the report as JSON only")
     a = ap.parse_args(argv)
-    launched = None
-    kind = a.launch or (a.host_kind or "mlx" if a.url else "mlx")
-    try:
-        if a.url:
-            from urllib.parse import urlparse
+    from urllib.parse import urlparse
 
-            u = urlparse(a.url)
-            host, port, pid = u.hostname, u.port or 80, a.pid
-        else:
-            work = Path(tempfile.mkdtemp(prefix="specgrammar-soak-"))
-            launched = (launch_vllm(work) if kind == "vllm" else
-                        launch_mlx(work, draft=not a.no_draft, max_tokens=max(64, a.max_tokens)))
-            host, port, pid = launched.host, launched.port, launched.pid
-            print(f"launched {kind} server pid {pid} on port {port} (log {launched.log})", file=sys.stderr)
-        if a.warmup:
-            burst(host, port, mixed_jobs(a.warmup, kind, seed=a.seed + 1, max_tokens=a.max_tokens), a.concurrency)
-        jobs = mixed_jobs(a.requests, kind, seed=a.seed, max_tokens=a.max_tokens)
-        rep = {"host": kind, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
-               **soak(host, port, pid, jobs, a.concurrency)}
-    finally:
-        if launched is not None:
-            launched.stop()
+    u = urlparse(a.url)
+    if not u.hostname:
+        ap.error(f"--url {a.url!r} has no host (e.g. http://127.0.0.1:8080)")
+    host, port, kind = u.hostname, u.port or 80, a.host_kind
+    if a.warmup:
+        burst(host, port, mixed_jobs(a.warmup, kind, seed=a.seed + 1, max_tokens=a.max_tokens), a.concurrency)
+    jobs = mixed_jobs(a.requests, kind, seed=a.seed, max_tokens=a.max_tokens)
+    rep = {"host": kind, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
+           **soak(host, port, a.pid, jobs, a.concurrency)}
     if a.json:
         print(json.dumps(rep, indent=1))
     else:

@@ -64,7 +64,7 @@ class MarkovRunner:
 def plain_decode(runner: MarkovRunner, prompt: Sequence[int], matcher, params, max_tokens: int, rng,
                  stop_token_ids: Sequence[int] = (), tilt_fn=None) -> list[int]:
     """Reference: non-speculative constrained decoding, one fresh forward per token, no cache reuse."""
-    from .constraint import new_mask
+    from .masks import new_mask
     from .distributions import log_law, sample
 
     out: list[int] = []
@@ -93,7 +93,7 @@ def exact_law(runner, prompt: Sequence[int], compiled, params, max_tokens: int, 
     """Every output of plain constrained sampling (one fresh forward per token, no speculation) with its exact
     probability: {output token tuple (stop token included when generated): probability}.  ``tilt_fn(generated,
     matcher)`` gives the cost tilt, as in the loop.  Only for small vocabularies and short outputs."""
-    from .constraint import new_mask
+    from .masks import new_mask
     from .distributions import log_law
 
     row = new_mask(runner.vocab_size)

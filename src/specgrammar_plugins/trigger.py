@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .constraint import CompiledConstraint, Forced, Matcher, clear_bit, full_mask
+from .constraint import CompiledConstraint, Forced, Matcher
+from .masks import clear_bit, full_mask
 
 
 class TriggeredMatcher:
@@ -161,7 +162,7 @@ class TriggeredMatcher:
 
 
 def _pad(mask: np.ndarray, vocab_size: int) -> np.ndarray:
-    from .constraint import mask_words
+    from .masks import mask_words
 
     out = np.zeros(mask_words(vocab_size), dtype=np.int32)
     out[: mask.shape[0]] = mask

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..recipes import shipped_pack
 from ..requests import DEFAULT_DRAFTERS
 
 
@@ -67,13 +68,6 @@ class Run:
                    dict(st.accepted_by_source), bool(tokens) and tokens[-1] in stop_ids)
 
 
-def shipped_pack_path(workload: str):
-    from ..recipes import SHIPPED_DIR
-
-    p = SHIPPED_DIR / f"{workload}.json"
-    return p if p.exists() else None
-
-
 class MLXHost:
     """mlx-lm: baseline = ``mlx_lm.generate.generate_step`` with our history-keyed grammar processor; every other
     strategy = the adapter's ``stream_generate`` twin with the strategy's drafter chain."""
@@ -95,7 +89,7 @@ class MLXHost:
         return list(self.tok.encode(prompt, add_special_tokens=False))
 
     def pack(self, workload: str):
-        p = shipped_pack_path(workload)
+        p = shipped_pack(workload)
         return None if p is None else str(p)
 
     def text(self, tokens) -> str:
@@ -105,7 +99,7 @@ class MLXHost:
             temperature: float, seed: int) -> Run:
         if s.drafters is None:
             return self._host(ids, spec, max_tokens, temperature, seed)
-        from ..adapters.mlx_lm.generate import generate_tokens
+        from specgrammar_mlx_lm.generate import generate_tokens
 
         t0 = time.perf_counter()
         out, st = generate_tokens(self.model, self.tok, ids, max_tokens=max_tokens,
@@ -121,7 +115,7 @@ class MLXHost:
         from mlx_lm.generate import generate_step
         from mlx_lm.sample_utils import make_sampler
 
-        from ..adapters.mlx_lm.processor import grammar_logits_processor
+        from specgrammar_mlx_lm.processor import grammar_logits_processor
         from .mlx_host import _Counting
 
         t0 = time.perf_counter()
@@ -177,7 +171,7 @@ class LlamaHost:
 
         from llama_cpp import Llama
 
-        from ..adapters.llama_cpp import SpecLlama
+        from specgrammar_llama_cpp import SpecLlama
         from ..models import tiny_gguf
 
         target, draft = str(tiny_gguf("target")), str(tiny_gguf("draft"))
@@ -202,10 +196,10 @@ class LlamaHost:
         from ..recipes import load_pack
 
         if workload not in self._packs:
-            from ..adapters.llama_cpp.runner import tokenizer_info
+            from specgrammar_llama_cpp.runner import tokenizer_info
             from ..recipes import RecipePack
 
-            p = shipped_pack_path(workload)
+            p = shipped_pack(workload)
             self._packs[workload] = None if p is None else load_pack(RecipePack.load(p), tokenizer_info(self.ours))
         return self._packs[workload]
 

@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from mlx_lm import load
 
-    from ..adapters.mlx_lm.generate import generate_tokens
-    from ..constraint import compile_constraint
+    from specgrammar_mlx_lm.generate import generate_tokens
+    from ..compiler import compile_constraint
     from ..cost import cost_model_for
     from ..models import tiny_path, tiny_tokenizer_info
 

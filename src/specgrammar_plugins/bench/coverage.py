@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..constraint import ConstraintSpec, compile_constraint
+from ..compiler import compile_constraint
+from ..constraint import ConstraintSpec
 from ..errors import ConstraintError
 from ..tokenizer import TokenizerInfo
 from ._report import save_plot

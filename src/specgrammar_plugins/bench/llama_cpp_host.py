@@ -28,7 +28,6 @@ import sys
 import time
 from typing import Sequence
 
-import numpy as np
 
 
 def gbnf_for(workload: str) -> str | None:
@@ -52,27 +51,11 @@ def gbnf_for(workload: str) -> str | None:
 
 
 def blind_draft_model(draft, k: int):
-    """The usual stock drafter: a draft Llama's greedy continuation, blind to the grammar."""
-    from llama_cpp.llama_speculative import LlamaDraftModel
+    """The usual stock drafter: a draft Llama's greedy continuation, blind to the grammar (our
+    ``GrammarDraftModel`` with no constraint and only the draft model in its chain)."""
+    from specgrammar_llama_cpp import GrammarDraftModel
 
-    from ..adapters.llama_cpp.runner import LlamaRunner
-    from ..distributions import GREEDY
-    from ..drafters import DraftBlock, ModelDrafter
-
-    class BlindDraft(LlamaDraftModel):
-        def __init__(self):
-            self.runner = LlamaRunner(draft)
-            self.drafter = ModelDrafter(self.runner, GREEDY, np.random.default_rng(0), blind=True)
-            self.proposed = 0
-
-        def __call__(self, input_ids, /, **kw):
-            block = DraftBlock([int(t) for t in input_ids], None, self.runner.vocab_size, k)
-            while not block.done and self.drafter.extend(block, k - len(block.tokens)):
-                pass
-            self.proposed += len(block.tokens)
-            return np.array(block.tokens, dtype=np.intc)
-
-    return BlindDraft()
+    return GrammarDraftModel(draft, None, k=k, drafters=("model",))
 
 
 class DecodeCounter:
@@ -115,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import llama_cpp
     from llama_cpp import Llama, LlamaGrammar
 
-    from ..adapters.llama_cpp import GrammarDraftModel, SpecLlama
+    from specgrammar_llama_cpp import GrammarDraftModel, SpecLlama
     from ..models import tiny_gguf
     from ..workloads import STRUCTURED, chat_prompt, constraint, examples
 

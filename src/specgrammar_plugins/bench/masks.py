@@ -103,7 +103,8 @@ class _RawFill:
 
 
 def bench_one(engine: str, wname: str, spec, text: str, tok, reps: int, k: int) -> dict:
-    from ..constraint import compile_constraint, mask_words
+    from ..compiler import compile_constraint
+    from ..masks import mask_words
     from ..errors import ConstraintError
 
     res: dict = {"workload": wname, "engine": engine}

@@ -59,14 +59,6 @@ class _TargetOnly:
         return self.processor(tokens, logits)
 
 
-def shipped_pack(workload: str):
-    """The shipped recipe pack for ``workload`` (``recipes/<workload>.json``), or None."""
-    from ..recipes import SHIPPED_DIR
-
-    p = SHIPPED_DIR / f"{workload}.json"
-    return str(p) if p.exists() else None
-
-
 def run_one(config: str, model, draft, tok, ids: list[int], spec, k: int, max_tokens: int, temperature: float,
             seed: int, recipe=None) -> tuple[list[int], int, float]:
     """(tokens up to the first EOS, target passes, seconds) for one prompt."""
@@ -74,8 +66,8 @@ def run_one(config: str, model, draft, tok, ids: list[int], spec, k: int, max_to
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from ..adapters.mlx_lm.generate import generate_tokens
-    from ..adapters.mlx_lm.processor import grammar_logits_processor
+    from specgrammar_mlx_lm.generate import generate_tokens
+    from specgrammar_mlx_lm.processor import grammar_logits_processor
 
     eos = set(tok.eos_token_ids)
     t0 = time.perf_counter()
@@ -118,6 +110,7 @@ def run(n: int, k: int, max_tokens: int, temperatures: Sequence[float], workload
 
     from .. import workloads as W
     from ..models import tiny_path
+    from ..recipes import shipped_pack
 
     t_dir, d_dir = models if models else (tiny_path("target"), tiny_path("draft"))
     model, tok = load(str(t_dir))
@@ -194,7 +187,7 @@ def plot(rows: list[dict]):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from ..adapters.mlx_lm.blas import preloaded, reexec_with_openblas
+    from specgrammar_mlx_lm.blas import preloaded, reexec_with_openblas
 
     reexec_with_openblas("specgrammar_plugins.bench.mlx_host", argv)
     from ..workloads import WORKLOADS

@@ -81,7 +81,7 @@ def plot(rows: list[dict]):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from ..adapters.mlx_lm.blas import preloaded, reexec_with_openblas
+    from specgrammar_mlx_lm.blas import preloaded, reexec_with_openblas
 
     reexec_with_openblas("specgrammar_plugins.bench.recipes", argv)
     from ..workloads import STRUCTURED
@@ -114,10 +114,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _pack_meta(workload: str) -> dict | None:
-    from ..recipes import RecipePack
-    from ._hosts import shipped_pack_path
+    from ..recipes import RecipePack, shipped_pack
 
-    p = shipped_pack_path(workload)
+    p = shipped_pack(workload)
     if p is None:
         return None
     pack = RecipePack.load(p)

@@ -150,7 +150,7 @@ def acceptance(path: Path | None, quick: bool, show_progress: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from ..adapters.mlx_lm.blas import preloaded, reexec_with_openblas
+    from specgrammar_mlx_lm.blas import preloaded, reexec_with_openblas
 
     reexec_with_openblas("specgrammar_plugins.bench.scale", argv)
     ap = argparse.ArgumentParser(prog="specgrammar bench scale", description=__doc__.splitlines()[0])

@@ -166,7 +166,7 @@ def plot(rows: list[dict], strategies):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from ..adapters.mlx_lm.blas import preloaded, reexec_with_openblas
+    from specgrammar_mlx_lm.blas import preloaded, reexec_with_openblas
 
     reexec_with_openblas("specgrammar_plugins.bench.strategies", argv)
     ap = argparse.ArgumentParser(prog="specgrammar bench strategies", description=__doc__.splitlines()[0])

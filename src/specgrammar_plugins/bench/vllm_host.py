@@ -39,7 +39,7 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from .. import workloads as W
-    from ..adapters.vllm.offline import make_llm, proposer_of, sampling_params, spec_metrics
+    from specgrammar_vllm.offline import make_llm, proposer_of, sampling_params, spec_metrics
     from ..models import tiny_path
 
     draft = str(tiny_path("draft"))

@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..constraint import Forced, mask_words
+from ..constraint import Forced
+from ..masks import mask_words
 from ..errors import ConstraintError
 from ..tokenizer import TokenizerInfo
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..constraint import CompiledConstraint, ConstraintSpec, Forced, mask_allows, mask_words
+from ..constraint import CompiledConstraint, ConstraintSpec, Forced
+from ..masks import mask_allows, mask_words
 from ..errors import ConstraintError
 from ..tokenizer import TokenizerInfo
 
@@ -320,7 +321,7 @@ class DFAMatcher:
 
     def forced(self) -> Forced:
         """Forced tokens: while exactly one token is allowed and the state cannot stop (at most 32)."""
-        from ..constraint import allowed_ids
+        from ..masks import allowed_ids
 
         tokens: list[int] = []
         st = self.states[-1]

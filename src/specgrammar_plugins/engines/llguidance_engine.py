@@ -14,7 +14,8 @@ import json
 
 import numpy as np
 
-from ..constraint import CompiledConstraint, ConstraintSpec, Forced, mask_words
+from ..constraint import CompiledConstraint, ConstraintSpec, Forced
+from ..masks import mask_words
 from ..errors import ConstraintError
 from ..tokenizer import TokenizerInfo
 from ._common import (

@@ -25,7 +25,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..constraint import CompiledConstraint, ConstraintSpec, Forced, mask_words
+from ..constraint import CompiledConstraint, ConstraintSpec, Forced
+from ..masks import mask_words
 from ..errors import ConstraintError
 from ..tokenizer import TokenizerInfo
 from ._common import (

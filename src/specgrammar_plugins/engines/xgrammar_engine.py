@@ -15,7 +15,8 @@ import re
 
 import numpy as np
 
-from ..constraint import CompiledConstraint, ConstraintSpec, Forced, mask_words
+from ..constraint import CompiledConstraint, ConstraintSpec, Forced
+from ..masks import mask_words
 from ..errors import ConstraintError
 from ..gbnf import fill_empty_alternatives, normalize_gbnf  # noqa: F401  (re-exported)
 from ..tokenizer import TokenizerInfo
@@ -53,7 +54,7 @@ def _no_surrogate_row(tok: TokenizerInfo) -> np.ndarray:
     for i, b in enumerate(tok.token_bytes[: tok.vocab_size]):
         if b and 0xA0 <= b[0] <= 0xBF:
             keep[i] = False
-    from ..constraint import pack_mask
+    from ..masks import pack_mask
 
     return pack_mask(keep)
 

@@ -10,7 +10,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..constraint import ConstraintSpec, compile_constraint, mask_words
+from ..compiler import compile_constraint
+from ..constraint import ConstraintSpec
+from ..masks import mask_words
 from ..distributions import GREEDY, log_law
 from ..tokenizer import TokenizerInfo
 

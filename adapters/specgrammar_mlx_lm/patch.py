@@ -1,0 +1,260 @@
+"""``specgrammar patch mlx-lm [--revert] [--check] [--target DIR]``: apply the server-plugin diff to mlx-lm.
+
+mlx-lm has no plugin mechanism; ``patches/mlx_lm-server-plugin.diff`` (upstream-ready, host-neutral) adds
+``mlx_lm.server --plugin NAME`` (pluggy plugins from the ``mlx_lm.server_plugins`` entry-point group, hooks in the
+new module ``mlx_lm/server_plugins.py``) and makes the server store prompt caches under the tokens they hold.
+
+The command is idempotent (an applied patch is reported, not applied twice), checks the installed version
+(only the version the diff was made against is patched; anything else is refused with the reason), and is
+reversible (``--revert``).  ``--target`` names the folder that contains the ``mlx_lm`` package (default: the
+installed one), so a copy can be patched instead.  The diff is applied by this module (exact context, no fuzz);
+it is also plain ``git apply -p1`` / ``patch -p1`` input from that folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_VERSIONS = ("0.32.2",)
+DIFF_NAME = "mlx_lm-server-plugin.diff"
+
+
+class PatchError(RuntimeError):
+    pass
+
+
+def diff_path() -> Path:
+    """The shipped diff (the repository's ``patches/`` folder, installed as package data)."""
+    from specgrammar_plugins.api import patch_path
+
+    try:
+        return patch_path(DIFF_NAME)
+    except (FileNotFoundError, ModuleNotFoundError) as e:
+        raise PatchError(f"cannot find {DIFF_NAME}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------------ unified diffs
+@dataclass
+class Hunk:
+    old_start: int
+    old: list[str] = field(default_factory=list)  # lines (with newline) the hunk replaces (context + removed)
+    new: list[str] = field(default_factory=list)  # lines it puts there (context + added)
+
+
+@dataclass
+class FilePatch:
+    old_path: str | None  # None = new file
+    new_path: str | None  # None = deleted file
+    hunks: list[Hunk] = field(default_factory=list)
+
+    @property
+    def path(self) -> str:
+        return self.new_path or self.old_path
+
+
+def _strip(p: str) -> str | None:
+    p = p.split("\t")[0].strip()
+    if p == "/dev/null":
+        return None
+    return p.split("/", 1)[1] if "/" in p else p  # -p1
+
+
+def parse_diff(text: str) -> list[FilePatch]:
+    files: list[FilePatch] = []
+    lines = text.splitlines(keepends=True)
+    i = 0
+    cur: FilePatch | None = None
+    while i < len(lines):
+        ln = lines[i]
+        if ln.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            cur = FilePatch(_strip(ln[4:]), _strip(lines[i + 1][4:]))
+            files.append(cur)
+            i += 2
+            continue
+        m = re.match(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", ln)
+        if m and cur is not None:
+            n_old = int(m.group(2)) if m.group(2) is not None else 1
+            n_new = int(m.group(4)) if m.group(4) is not None else 1
+            h = Hunk(int(m.group(1)))
+            i += 1
+            while i < len(lines) and (len(h.old) < n_old or len(h.new) < n_new):
+                body = lines[i]
+                tag, rest = body[:1], body[1:]
+                if body.startswith("\\"):  # "\ No newline at end of file"
+                    i += 1
+                    continue
+                if tag == " " or body in ("\n",):
+                    rest = rest if tag == " " else "\n"
+                    h.old.append(rest)
+                    h.new.append(rest)
+                elif tag == "-":
+                    h.old.append(rest)
+                elif tag == "+":
+                    h.new.append(rest)
+                else:
+                    raise PatchError(f"malformed hunk line {i + 1}: {body!r}")
+                i += 1
+            cur.hunks.append(h)
+            continue
+        i += 1
+    return files
+
+
+def _apply_hunks(lines: list[str], hunks: list[Hunk], reverse: bool) -> list[str] | None:
+    """Apply hunks with exact context (searching near the stated line); None if any does not match."""
+    out = list(lines)
+    delta = 0
+    for h in hunks:
+        old, new = (h.new, h.old) if reverse else (h.old, h.new)
+        want = h.old_start - 1 + delta
+        found = None
+        for off in sorted(range(-len(out) - 1, len(out) + 1), key=abs):
+            pos = want + off
+            if 0 <= pos <= len(out) - len(old) and out[pos:pos + len(old)] == old:
+                found = pos
+                break
+        if found is None:
+            return None
+        out[found:found + len(old)] = new
+        delta += len(new) - len(old)
+    return out
+
+
+def state(root: Path, patches: list[FilePatch]) -> str:
+    """'clean' (the diff applies), 'applied' (its reverse applies) or 'conflict'."""
+    fwd = rev = True
+    for fp in patches:
+        p = root / fp.path
+        if fp.old_path is None:  # new file
+            new = "".join(h for hk in fp.hunks for h in hk.new)
+            exists = p.exists()
+            fwd &= not exists
+            rev &= exists and p.read_text() == new
+            continue
+        if not p.exists():
+            return "conflict"
+        lines = p.read_text().splitlines(keepends=True)
+        fwd &= _apply_hunks(lines, fp.hunks, False) is not None
+        rev &= _apply_hunks(lines, fp.hunks, True) is not None
+    if rev and not fwd:
+        return "applied"
+    if fwd and not rev:
+        return "clean"
+    return "conflict"
+
+
+def apply(root: Path, patches: list[FilePatch], reverse: bool = False) -> list[str]:
+    written = []
+    results: dict[Path, str | None] = {}
+    for fp in patches:
+        p = root / fp.path
+        if fp.old_path is None:
+            results[p] = None if reverse else "".join(h for hk in fp.hunks for h in hk.new)
+            continue
+        out = _apply_hunks(p.read_text().splitlines(keepends=True), fp.hunks, reverse)
+        if out is None:
+            raise PatchError(f"{p}: the diff does not apply (was the file modified?)")
+        results[p] = "".join(out)
+    for p, text in results.items():  # write only once every file is known to apply
+        if text is None:
+            if p.exists():
+                p.unlink()
+        else:
+            p.write_text(text)
+        written.append(str(p))
+    return written
+
+
+# ------------------------------------------------------------------------------------------------ the command
+def installed_root() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        raise PatchError("mlx-lm is not installed (pip install 'specgrammar-plugins[mlx]')")
+    return Path(list(spec.submodule_search_locations)[0]).parent
+
+
+def version_of(root: Path) -> str:
+    vf = root / "mlx_lm" / "_version.py"
+    if not vf.exists():
+        raise PatchError(f"{root / 'mlx_lm'} does not look like mlx-lm (no _version.py)")
+    m = re.search(r"__version__\s*=\s*['\"]([^'\"]+)['\"]", vf.read_text())
+    if not m:
+        raise PatchError(f"cannot read the mlx-lm version from {vf}")
+    return m.group(1)
+
+
+def run(target: Path | None = None, revert: bool = False, check: bool = False, out=print) -> str:
+    """Apply (or revert) the patch; returns the final state ('applied' / 'clean')."""
+    root = Path(target) if target is not None else installed_root()
+    version = version_of(root)
+    if version not in SUPPORTED_VERSIONS:
+        raise PatchError(f"mlx-lm {version} at {root / 'mlx_lm'} is not supported: the server-plugin patch is made "
+                         f"for mlx-lm {', '.join(SUPPORTED_VERSIONS)} (pip install 'mlx-lm=={SUPPORTED_VERSIONS[-1]}')")
+    patches = parse_diff(diff_path().read_text())
+    st = state(root, patches)
+    where = root / "mlx_lm"
+    if check:
+        out(f"mlx-lm {version} at {where}: {'patched' if st == 'applied' else st}")
+        return st
+    if st == "conflict":
+        raise PatchError(f"mlx-lm {version} at {where} is modified in a way the patch does not recognize; "
+                         "reinstall it (pip install --force-reinstall --no-deps mlx-lm) and retry")
+    if revert:
+        if st == "clean":
+            out(f"mlx-lm {version} at {where}: not patched, nothing to revert")
+            return "clean"
+        apply(root, patches, reverse=True)
+        out(f"mlx-lm {version} at {where}: patch reverted")
+        return "clean"
+    if st == "applied":
+        out(f"mlx-lm {version} at {where}: already patched (mlx_lm.server --plugin NAME)")
+        return "applied"
+    apply(root, patches)
+    out(f"mlx-lm {version} at {where}: patched; run: mlx_lm.server --model PATH --plugin specgrammar")
+    return "applied"
+
+
+def patched_root(dest: Path | None = None) -> tuple[Path, bool]:
+    """A folder to put first on ``PYTHONPATH`` so that ``import mlx_lm`` is patched: (the installed mlx-lm's folder,
+    True) when it is patched already, else (a patched copy under ``dest``, False); ``dest`` defaults to a new
+    temporary folder, and a copy already patched there is reused.  The installed mlx-lm is left alone."""
+    import shutil
+    import tempfile
+
+    src = installed_root()
+    patches = parse_diff(diff_path().read_text())
+    if state(src, patches) == "applied":
+        return src, True
+    dest = Path(dest) if dest is not None else Path(tempfile.mkdtemp(prefix="specgrammar-mlx-"))
+    if (dest / "mlx_lm").exists() and state(dest, patches) == "applied":
+        return dest, False
+    shutil.copytree(src / "mlx_lm", dest / "mlx_lm", ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    if run(dest, out=lambda *_: None) != "applied":
+        raise PatchError(f"could not patch the copy of mlx-lm in {dest}")
+    return dest, False
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specgrammar patch", description=__doc__.splitlines()[0])
+    ap.add_argument("host", choices=["mlx-lm", "mlx_lm"], help="the host to patch")
+    ap.add_argument("--revert", action="store_true", help="undo the patch")
+    ap.add_argument("--check", action="store_true", help="only report whether the host is patched")
+    ap.add_argument("--target", type=Path, default=None,
+                    help="folder containing the mlx_lm package (default: the installed mlx-lm)")
+    args = ap.parse_args(argv)
+    try:
+        run(args.target, revert=args.revert, check=args.check)
+    except PatchError as e:
+        print(f"specgrammar patch: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""A history-keyed, rollback-safe grammar logits processor for mlx-lm's own loops.
+
+    proc = grammar_logits_processor(ConstraintSpec.regex(r"[0-9]{4}"), tokenizer, model)
+    mlx_lm.generate(model, tokenizer, prompt, logits_processors=[proc])            # generate_step
+    mlx_lm.generate(..., draft_model=draft, logits_processors=[proc])              # speculative_generate_step
+    BatchGenerator(model).insert(..., logits_processors=[[proc]])                  # the server's batching path
+
+mlx-lm calls a processor as ``processor(tokens, logits)`` with a token history, never telling it which tokens
+were accepted.  The history's start differs by loop (mlx-lm 0.32.2): the whole prompt in ``generate_step`` and
+``BatchGenerator``, only the last prompt token in ``speculative_generate_step``; under speculation it moves
+backwards (rejected drafts) and forwards (accepted blocks).  So the processor takes the history length of its
+first call as the prompt, and derives the grammar state from what follows it alone: the core's
+``MaskProcessor`` (roll back to the longest common prefix, never feed a token the grammar rejects).  This module
+only converts its boolean row into an mlx array.  One processor per request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specgrammar_plugins.api import (CompiledConstraint, ConstraintSpec, MaskProcessor, StopOnlyMask, TokenizerInfo,
+                                     compile_constraint)
+
+_TOKINFO: dict[tuple[int, int], tuple[object, TokenizerInfo]] = {}
+
+
+def tokenizer_info(tokenizer, width: int) -> TokenizerInfo:
+    """``TokenizerInfo`` of an mlx-lm ``TokenizerWrapper`` (or HF tokenizer), masks padded to ``width``;
+    every EOS id mlx-lm knows is a stop token.  Cached per tokenizer object."""
+    key = (id(tokenizer), int(width))
+    hit = _TOKINFO.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    eos_ids = sorted(int(i) for i in (getattr(tokenizer, "eos_token_ids", None) or ()))
+    kw = {}
+    if getattr(hf, "eos_token_id", None) is None and eos_ids:
+        kw["eos_token"] = eos_ids[0]
+    info = TokenizerInfo.from_hf(hf, vocab_size=None, stop_tokens=eos_ids, **kw)
+    n = len(info.token_bytes)
+    info = info.with_vocab_size(max(int(width), n)) if width else info
+    _TOKINFO[key] = (tokenizer, info)
+    return info
+
+
+def compile_for(constraint, tokenizer, width: int, engine: str | None = None) -> CompiledConstraint:
+    """A ``ConstraintSpec`` (or an already compiled constraint) compiled for this tokenizer at ``width``."""
+    if isinstance(constraint, CompiledConstraint):
+        if constraint.tokenizer.vocab_size < width:
+            raise ValueError(f"the constraint was compiled for {constraint.tokenizer.vocab_size} tokens but the model "
+                             f"outputs {width}")
+        return constraint
+    if not isinstance(constraint, ConstraintSpec):
+        raise TypeError(f"constraint must be a ConstraintSpec or CompiledConstraint, got {type(constraint).__name__}")
+    return compile_constraint(constraint, tokenizer_info(tokenizer, width), engine=engine)
+
+
+class GrammarLogitsProcessor:
+    """``processor(tokens, logits) -> logits`` with every token the mask forbids set to -inf.
+
+    mask: a core ``MaskProcessor`` (the grammar after the history) or ``StopOnlyMask``; a ``CompiledConstraint``
+    is wrapped in a fresh ``MaskProcessor`` (``prompt_len``: the history length that is prompt; None = the length
+    of the first call's history).
+    """
+
+    def __init__(self, mask, prompt_len: int | None = None):
+        if isinstance(mask, CompiledConstraint):
+            mask = MaskProcessor(mask, prompt_len)
+        self.mask = mask
+
+    @property
+    def compiled(self):
+        return getattr(self.mask, "compiled", None)
+
+    @property
+    def calls(self) -> int:
+        return getattr(self.mask, "calls", 0)
+
+    @property
+    def invalid_calls(self) -> int:
+        return getattr(self.mask, "invalid_calls", 0)
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        hist = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens or [])
+        allowed = self.mask.allowed(hist, logits.shape[-1])
+        return mx.where(mx.array(allowed), logits, mx.array(-np.inf, dtype=logits.dtype))
+
+
+def stop_only_processor(stop_token_ids, reason: str = "") -> GrammarLogitsProcessor:
+    """A processor that allows only the stop tokens (a request whose constraint failed at generation time)."""
+    return GrammarLogitsProcessor(StopOnlyMask(stop_token_ids, reason))
+
+
+def grammar_logits_processor(constraint, tokenizer, model=None, *, width: int | None = None,
+                             engine: str | None = None, prompt_len: int | None = None) -> GrammarLogitsProcessor:
+    """A fresh processor for one request (``constraint``: ConstraintSpec or CompiledConstraint)."""
+    if width is None:
+        if model is None:
+            raise ValueError("pass the model (or width=) so masks match its output width")
+        from .runner import output_width
+
+        width = output_width(model)
+    return GrammarLogitsProcessor(compile_for(constraint, tokenizer, width, engine), prompt_len)

@@ -1,0 +1,80 @@
+"""The offline ``vllm.LLM`` path with the proposer, plus the helpers tests and benchmarks share.
+
+    from specgrammar_vllm.offline import make_llm, sampling_params
+    llm = make_llm("path/to/model", method="grammar", k=4)        # GrammarProposer behind --speculative-config
+    out = llm.generate([prompt], sampling_params(ConstraintSpec.regex("[0-9]{4}"), temperature=0))
+
+``method``: ``"grammar"`` (ours), ``"ngram"`` or ``"draft_model"`` (vLLM's own, for comparison), or None (no
+speculation).  Engine options default to what a small CPU run wants (fp32, eager, 1 GiB KV cache via
+``VLLM_CPU_KVCACHE_SPACE``); pass any ``LLM`` keyword to override.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from specgrammar_plugins.api import ConstraintSpec
+
+from .config import speculative_config
+from .structured import params_from_spec
+
+def make_llm(model: str, method: str | None = "grammar", k: int = 4, draft_model: str | None = None,
+             specgrammar: dict | None = None, **kw: Any):
+    """A ``vllm.LLM`` with our proposer (or another method) and CPU-friendly defaults."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    args: dict[str, Any] = dict(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
+                                disable_log_stats=False)
+    sc = speculative_config(method, k, draft_model)
+    if sc is not None:
+        args["speculative_config"] = sc
+    if specgrammar:
+        args["additional_config"] = {"specgrammar": specgrammar}
+    args.update(kw)
+    return LLM(**args)
+
+
+def sampling_params(spec: ConstraintSpec | None, **kw: Any):
+    """``vllm.SamplingParams`` with the constraint as ``structured_outputs``."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    so = params_from_spec(spec)
+    return SamplingParams(structured_outputs=StructuredOutputsParams(**so) if so else None, **kw)
+
+
+SPEC_METRICS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+    "vllm:generation_tokens": "generation_tokens",
+}
+
+
+def spec_metrics(llm) -> dict[str, float]:
+    """vLLM's own counters (``disable_log_stats=False``): drafts, draft tokens, accepted tokens, generated tokens."""
+    out = {v: 0.0 for v in SPEC_METRICS.values()}
+    for m in llm.get_metrics():
+        name = SPEC_METRICS.get(m.name)
+        if name is not None and hasattr(m, "value"):
+            out[name] += float(m.value)
+    return out
+
+
+def proposer_of(llm):
+    """The ``GrammarProposer`` of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), or None."""
+    from .proposer import GrammarProposer
+
+    try:
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    except AttributeError:
+        return None
+    d = getattr(runner, "drafter", None)
+    return d if isinstance(d, GrammarProposer) else None
+
+
+def scheduler_of(llm):
+    """The scheduler of an in-process engine (tests count ``validate_tokens`` truncations on it)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler

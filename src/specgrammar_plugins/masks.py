@@ -1,0 +1,62 @@
+"""Packed token masks: bit ``j`` of int32 word ``i`` set <=> token ``32*i + j`` allowed (the layout xgrammar and
+llguidance use), ``mask_words(vocab_size)`` words per row.  Every engine fills rows of this shape and every law
+backend reads them."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+
+def mask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def new_mask(vocab_size: int, rows: int | None = None, fill: int = 0) -> np.ndarray:
+    shape = (mask_words(vocab_size),) if rows is None else (rows, mask_words(vocab_size))
+    return np.full(shape, fill, dtype=np.int32)
+
+
+def unpack_mask(mask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Packed int32 rows [..., W] -> bool [..., vocab_size]."""
+    m = np.ascontiguousarray(mask, dtype=np.int32)
+    bits = np.unpackbits(m.view(np.uint8).reshape(*m.shape[:-1], -1), axis=-1, bitorder="little")
+    return bits[..., :vocab_size].astype(bool)
+
+
+def pack_mask(allowed: np.ndarray) -> np.ndarray:
+    """bool [..., V] -> packed int32 [..., ceil(V/32)]."""
+    a = np.asarray(allowed, dtype=bool)
+    v = a.shape[-1]
+    pad = mask_words(v) * 32 - v
+    if pad:
+        a = np.concatenate([a, np.zeros((*a.shape[:-1], pad), dtype=bool)], axis=-1)
+    return np.packbits(a, axis=-1, bitorder="little").view(np.int32)
+
+
+def mask_allows(mask: np.ndarray, token: int) -> bool:
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
+def clear_bit(mask: np.ndarray, token: int) -> None:
+    """Disallow ``token`` in a packed row, in place."""
+    mask.view(np.uint32)[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
+
+
+def set_bit(mask: np.ndarray, token: int) -> None:
+    mask.view(np.uint32)[token >> 5] |= np.uint32(1 << (token & 31))
+
+
+def allowed_ids(mask: np.ndarray, vocab_size: int | None = None) -> np.ndarray:
+    bits = unpack_mask(mask, vocab_size or mask.shape[-1] * 32)
+    return np.flatnonzero(bits)
+
+
+def full_mask(vocab_size: int, exclude: Iterable[int] = ()) -> np.ndarray:
+    """Every token id below vocab_size allowed (minus ``exclude``)."""
+    allowed = np.ones(vocab_size, dtype=bool)
+    for t in exclude:
+        if 0 <= t < vocab_size:
+            allowed[t] = False
+    return pack_mask(allowed)
