@@ -93,13 +93,30 @@ def test_scale_quick(tmp_path):
     assert doc["results"] and doc["results"][0]["params"] > 4e8
     for m in doc["results"]:
         _finite(m["rows"], ["t1_ms", "tk1_ms", "cost_ratio"])
-    _finite(doc["projection"], ["tokens_per_pass", "projected_speedup"])
+    _finite(doc["projection"], ["tokens_per_pass", "projected_speedup", "passes_only_speedup", "ms_per_token",
+                                 "rounds_per_token", "draft_passes_per_token"])
+    assert all(m["draft"]["t1_ms"] > 0 for m in doc["results"])  # the draft's own passes are counted
     assert "PROJECTION" in doc["_stdout"]
     # the projection alone, from the timings just measured (no model run)
     again = bench(tmp_path / "again", "scale", "--timings", str(tmp_path / "scale" / "scale.json"),
                   "--strategies", str(tmp_path / "absent.json"))
     assert again["timings_from"] and [m["rows"] for m in again["results"]] == [m["rows"] for m in doc["results"]]
     _finite(again["projection"], ["projected_speedup"])
+
+
+def test_overhead_quick(tmp_path):
+    from conftest import needs_shared_data
+
+    needs_shared_data("tokenizers", "qwen2.5", "generated", "tokenizer.json")
+    doc = bench(tmp_path, "overhead", "--backends", "reference", "numpy")
+    rows = doc["rows"]
+    assert doc["vocab_size"] == 151936
+    assert {(r["backend"], r["mode"]) for r in rows} == {(b, m) for b in ("reference", "numpy")
+                                                         for m in ("greedy", "T=0.7", "T=0.7, top-p 0.9")}
+    _finite(rows, ["host_ms", "fills_per_round", "tokens_per_round", "acceptance"])
+    for r in rows:
+        _finite([r["split_ms"]], list(r["split_ms"]))
+        assert r["fills_per_round"] >= 1
 
 
 def test_mlx_host_quick(tmp_path):

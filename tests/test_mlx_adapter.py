@@ -41,12 +41,15 @@ def test_runner_forward_trim_and_logits_match_a_fresh_pass(tiny):
     model, _, tok = tiny
     ids = prompt_ids(tok, "Find the year: The bridge opened in 1999.")
     r = MLXRunner(model)
-    full = r.forward(ids)
-    assert full.shape == (len(ids), r.vocab_size) and full.dtype == np.float32
+    import mlx.core as mx
+
+    full = r.forward(ids)  # the logits stay in mlx
+    assert isinstance(full, mx.array) and full.shape == (len(ids), r.vocab_size) and full.dtype == mx.float32
+    full = np.asarray(full)
     assert r.tokens == ids
     r.trim(5)
     assert r.tokens == ids[:-5] and r.cache[0].offset == len(ids) - 5
-    again = r.forward(ids[-5:], logits_for=2)
+    again = np.asarray(r.forward(ids[-5:], logits_for=2))
     assert again.shape == (2, r.vocab_size)
     np.testing.assert_allclose(again, full[-2:], rtol=1e-4, atol=1e-4)
     r.sync(ids[:3])

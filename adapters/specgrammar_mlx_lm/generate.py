@@ -69,13 +69,10 @@ def _encode_prompt(tokenizer, prompt) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def _log_softmax_row(row: np.ndarray):
+def _log_softmax_row(row):
     import mlx.core as mx
 
-    z = np.asarray(row, dtype=np.float32)
-    m = np.max(z)
-    lse = m + np.log(np.sum(np.exp(z - m)))
-    return mx.array(z - lse)
+    return row - mx.logsumexp(row, keepdims=True)
 
 
 def sampling_params(temperature: float | None = None, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,

@@ -1,8 +1,11 @@
 """``ModelRunner`` over an mlx-lm model and its KV cache (the core's view of an mlx model).
 
     runner = MLXRunner(model)                 # a fresh cache from ``make_prompt_cache``
-    logits = runner.forward([1, 2, 3])        # numpy float32 [3, vocab]; the cache now holds the 3 tokens
+    logits = runner.forward([1, 2, 3])        # mx.array float32 [3, vocab]; the cache now holds the 3 tokens
     runner.trim(2)                            # O(1): ``trim_prompt_cache`` (KVCache.trim is ``offset -= n``)
+
+The logits stay in mlx (``tensors = "mlx"``): the loop computes the law and verifies with the mlx law backend,
+so only verdicts and sampled tokens cross to the host.
 
 A runner may also wrap a cache that already holds tokens (the server's prompt cache): pass the tokens it holds
 (``tokens=``); when they are not known, the cache's offset is trusted and the held tokens are opaque.
@@ -13,8 +16,6 @@ refused with ``NotTrimmableCacheError``: speculation needs rollback.
 from __future__ import annotations
 
 from typing import Sequence
-
-import numpy as np
 
 from specgrammar_plugins.api import SpecGrammarError, sync_runner
 
@@ -67,6 +68,8 @@ class MLXRunner:
     ``len(tokens)`` are trimmed, missing ids are marked ``OPAQUE``).  stream: the mlx stream to run on.
     """
 
+    tensors = "mlx"  # forward returns mx.array rows (laws.for_runner picks the mlx law backend)
+
     def __init__(self, model, cache: list | None = None, tokens: Sequence[int] | None = None, *, stream=None,
                  prefill_step_size: int = 2048, what: str = "model"):
         from mlx_lm.models.cache import make_prompt_cache
@@ -78,7 +81,7 @@ class MLXRunner:
         self.prefill_step_size = prefill_step_size
         self.vocab_size = output_width(model)
         self.passes = 0  # forward calls that returned logits
-        self.last_logits: np.ndarray | None = None
+        self.last_logits = None  # the rows the last forward returned (mx.array)
         off = cache_offset(self.cache)
         known = list(tokens) if tokens is not None else [OPAQUE] * off
         if off > len(known):  # held tokens we cannot name: drop them
@@ -96,7 +99,8 @@ class MLXRunner:
 
         return self.model(mx.array([list(tokens)], dtype=mx.uint32), cache=self.cache)
 
-    def forward(self, tokens: Sequence[int], logits_for: int | None = None) -> np.ndarray:
+    def forward(self, tokens: Sequence[int], logits_for: int | None = None):
+        """Feed ``tokens``; mx.array float32 logits [m, vocab] of the last ``m = logits_for`` (all when None)."""
         import mlx.core as mx
 
         tokens = [int(t) for t in tokens]
@@ -104,7 +108,7 @@ class MLXRunner:
             raise ValueError("cannot feed tokens whose ids are unknown (OPAQUE)")
         m = len(tokens) if logits_for is None else int(logits_for)
         if not tokens:
-            return np.zeros((0, self.vocab_size), dtype=np.float32)
+            return mx.zeros((0, self.vocab_size), dtype=mx.float32)
         ctx = mx.stream(self.stream) if self.stream is not None else _null()
         with ctx:
             # feed the part whose logits are not wanted in chunks (long prompts), then the rest in one call
@@ -119,13 +123,12 @@ class MLXRunner:
             self._tokens.extend(tokens)
             if m == 0:
                 mx.eval([c.state for c in self.cache])
-                return np.zeros((0, self.vocab_size), dtype=np.float32)
+                return mx.zeros((0, self.vocab_size), dtype=mx.float32)
             rows = out[0, -m:, :].astype(mx.float32)
             mx.eval(rows)
         self.passes += 1
-        logits = np.asarray(rows)
-        self.last_logits = logits
-        return logits
+        self.last_logits = rows
+        return rows
 
     def _trim_cache(self, n: int) -> None:
         from mlx_lm.models.cache import trim_prompt_cache

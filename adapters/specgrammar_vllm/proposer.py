@@ -44,7 +44,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specgrammar_plugins.api import (ConstraintError, DraftBlock, HistoryMatcher, SamplingParams, SpecOptions,
-                                     compile_constraint, fill, make_drafter)
+                                     compile_constraint, fill, law_backend, make_drafter)
 
 from .structured import ENGINES, engine_options, spec_from_params
 
@@ -121,6 +121,7 @@ class GrammarProposer:
         self._tokinfos: dict[tuple, Any] = {}
         self._states: dict[str, _RequestState] = {}
         self._runner_ref = None
+        self.law = law_backend("torch")  # draft laws where the draft's logits are (torch), handed to vLLM as is
         self.counters = {name: 0 for name in COUNTERS}
         self.sources: dict[str, int] = {}
         self.accepted_by_position = [0] * self.k
@@ -240,7 +241,7 @@ class GrammarProposer:
         budget = min(self.k, self.max_model_len - n)
         if budget <= 0:
             return []
-        block = DraftBlock(row[:n], m.fork(), self.vocab_size, budget, st.stop_ids)
+        block = DraftBlock(row[:n], m.fork(), self.vocab_size, budget, st.stop_ids, law=self.law)
         fill(block, st.drafter)
         drafts = block.tokens
         if not st.greedy:
@@ -274,9 +275,9 @@ class GrammarProposer:
                 law = rows[j] if rows is not None else None
                 if law is None:
                     probs[i, j, t] = 1.0
-                else:
-                    p = np.exp(np.asarray(law, dtype=np.float64) - np.max(law))
-                    probs[i, j, : p.shape[-1]] = torch.from_numpy((p / p.sum()).astype(np.float32))
+                else:  # the torch law backend's row: already on the draft's device, normalized
+                    p = self.law.dense(law, self.vocab_size)
+                    probs[i, j, : p.shape[-1]] = p.to(probs.dtype)
         runner._draft_probs = probs
         runner._draft_prob_req_ids = list(runner.input_batch.req_ids[: len(drafts)])
         self.counters["law_rounds"] += 1

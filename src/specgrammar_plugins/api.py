@@ -9,7 +9,8 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
 - the one road to decoding: ``make_loop`` (hosts that let us own decoding), ``make_drafter`` + ``DraftBlock`` +
   ``fill`` (hosts that verify drafts themselves), ``with_defaults`` (merge host defaults into request options);
 - history-keyed masks for hosts that keep their own loop: ``MaskProcessor``, ``StopOnlyMask``, ``HistoryMatcher``;
-- the law and the verifier: ``SamplingParams``, ``GREEDY``, ``log_law``, ``verify_block``;
+- the law and the verifier: ``SamplingParams``, ``GREEDY``, ``log_law``, ``verify_block`` (the reference), and
+  ``law_backend(name)``: the same law and verifier where the logits live (``numpy``, ``mlx``, ``torch``);
 - ``patch_path``: a shipped host patch (``patches/``); ``resolve_pack``: a recipe pack by path or shipped name;
 - what a host implements: ``ModelRunner`` (a model with a trimmable KV cache), ``TokenizerInfo``.
 """
@@ -23,6 +24,8 @@ from .constraint import CompiledConstraint, ConstraintSpec, Forced, Matcher
 from .distributions import GREEDY, SamplingParams, log_law
 from .errors import ConstraintError, EmptyMaskError, RequestError, SpecGrammarError, TokenizerMismatchError
 from .history import HistoryMatcher, MaskProcessor, RequestBoundary, StopOnlyMask
+from .laws import LawBackend
+from .laws import get as law_backend
 from .loop import Commit, SpeculativeLoop, Stats
 from .masks import mask_words, new_mask, unpack_mask
 from .resources import patch_path
@@ -36,10 +39,11 @@ from .verify import Verdict, verify_block
 
 __all__ = [
     "COMPILE_POOL", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
-    "DraftBlock", "Drafter", "EmptyMaskError", "Forced", "GREEDY", "HistoryMatcher", "LIMITS", "MaskProcessor",
+    "DraftBlock", "Drafter", "EmptyMaskError", "Forced", "GREEDY", "HistoryMatcher", "LIMITS", "LawBackend",
+    "MaskProcessor",
     "Matcher", "ModelRunner", "RecipePackError", "RequestBoundary", "RequestError", "SamplingParams",
     "SpecGrammarError", "SpecOptions", "SpeculativeLoop", "Stats", "StopOnlyMask", "TokenizerInfo",
-    "TokenizerMismatchError", "Verdict", "common_prefix_len", "compile_constraint", "fill", "log_law",
+    "TokenizerMismatchError", "Verdict", "common_prefix_len", "compile_constraint", "fill", "law_backend", "log_law",
     "make_drafter", "make_loop", "mask_words", "new_mask", "parse_request", "patch_path", "registered_drafters",
     "resolve_pack", "sync_runner", "unpack_mask", "verify_block", "with_defaults",
 ]

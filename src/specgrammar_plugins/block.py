@@ -17,7 +17,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from .constraint import Matcher
-from .masks import full_mask, mask_allows, new_mask
+from .masks import full_mask, mask_allows, mask_words
 
 
 class ModelRunner(Protocol):
@@ -52,7 +52,7 @@ class DraftBlock:
     def __init__(self, context: Sequence[int], matcher: Matcher | None, vocab_size: int, budget: int,
                  stop_token_ids: Sequence[int] = (),
                  tilt_fn: Callable[[Sequence[int], Matcher | None], np.ndarray | None] | None = None,
-                 prompt_len: int = 0, free: int = 0):
+                 prompt_len: int = 0, free: int = 0, law=None):
         self.context = context  # committed tokens (prompt + emitted) before the block
         self.prompt_len = prompt_len  # tilt_fn sees the generated part: context[prompt_len:] + drafts
         self.matcher = matcher
@@ -71,10 +71,16 @@ class DraftBlock:
         # goes on to the budget (those drafts and draft passes are the waste blind drafting costs); the rows
         # after it are never reached in verification, so their masks are placeholders
         self.dead = False
-        self.masks = new_mask(vocab_size, rows=self.capacity + 1) if matcher is not None else None
+        # one packed row per position visited, filled once by the matcher (None: unconstrained)
+        self.masks: list[np.ndarray] | None = [] if matcher is not None else None
         self.tilts: list[np.ndarray | None] = []
-        self._have_mask = -1
         self.mask_ns = 0
+        self.mask_fills = 0  # matcher.fill_mask calls: exactly one per position visited
+        self.placeholders = 0  # rows past the grammar's end (or after a rejected blind draft): never filled
+        self.law = law  # the round's law backend (laws.LawBackend); drafters sample through it
+        self.cache: dict = {}  # the law backend's per-round scratch (each position's mask unpacked once)
+        self.timing: dict[str, int] = {}  # ns per phase ("draft_law", "target_law", "verify", "copy")
+        self.t_start = time.perf_counter_ns()
 
     # ---------------------------------------------------------------- the current position
     @property
@@ -94,21 +100,31 @@ class DraftBlock:
         return [*self.context, *self.tokens]
 
     def mask(self) -> np.ndarray | None:
-        """The packed mask of the current position (None when unconstrained), computed once."""
+        """The packed mask of the current position (None when unconstrained), computed once: the forced drafter,
+        the draft laws and the target law all read this row."""
         if self.matcher is None:
             return None
         i = self.position
-        if self._have_mask < i:
+        if len(self.masks) <= i:
             t0 = time.perf_counter_ns()
             if self.matcher.is_terminated() or self.closed or self.dead:
-                self.masks[i] = full_mask(self.vocab_size)  # never sampled from: placeholder for an unused row
+                row = _full_row(self.vocab_size)  # never sampled from: a placeholder for an unused row
+                self.placeholders += 1
             else:
-                self.matcher.fill_mask(self.masks[i])
+                row = np.empty(mask_words(self.vocab_size), dtype=np.int32)
+                self.matcher.fill_mask(row)
+                self.mask_fills += 1
+            self.masks.append(row)
             if self.tilt_fn is not None:
                 self.tilts.append(self.tilt_fn(self.sequence()[self.prompt_len:], self.matcher))
             self.mask_ns += time.perf_counter_ns() - t0
-            self._have_mask = i
         return self.masks[i]
+
+    def tick(self, phase: str, t0: int) -> int:
+        """Add the time since ``t0`` (``perf_counter_ns``) to ``phase``; returns now."""
+        t = time.perf_counter_ns()
+        self.timing[phase] = self.timing.get(phase, 0) + t - t0
+        return t
 
     def tilt(self) -> np.ndarray | None:
         if self.tilt_fn is None:
@@ -146,16 +162,29 @@ class DraftBlock:
             self.closed = True
         return True
 
-    def finish(self) -> tuple[np.ndarray | None, list[np.ndarray | None] | None]:
-        """Masks (and tilts) for all k+1 verification rows."""
+    def finish(self) -> tuple[list[np.ndarray] | None, list[np.ndarray | None] | None]:
+        """Masks (and tilts) for all k+1 verification rows (the bonus position's mask is filled here)."""
+        n = len(self.tokens) + 1
         if self.matcher is None:
             if self.tilt_fn is None:
                 return None, None
-            gen = self.sequence()[self.prompt_len:]
-            return None, [self.tilt_fn(gen[: len(gen) - len(self.tokens) + i], None) for i in range(len(self.tokens) + 1)]
+            if len(self.tilts) < n:  # unconstrained: the tilt of every position, from the generated text alone
+                gen = self.sequence()[self.prompt_len:]
+                self.tilts = [self.tilt_fn(gen[: len(gen) - len(self.tokens) + i], None) for i in range(n)]
+            return None, self.tilts[:n]
         self.mask()  # the bonus position
-        n = len(self.tokens) + 1
         return self.masks[:n], (self.tilts[:n] if self.tilt_fn is not None else None)
+
+
+_FULL: dict[int, np.ndarray] = {}
+
+
+def _full_row(vocab_size: int) -> np.ndarray:
+    row = _FULL.get(vocab_size)
+    if row is None:
+        row = _FULL[vocab_size] = full_mask(vocab_size)
+        row.flags.writeable = False
+    return row
 
 
 class Drafter(Protocol):

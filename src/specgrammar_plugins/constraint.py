@@ -148,6 +148,10 @@ class Matcher(Protocol):
     def forced(self) -> Forced:
         """Tokens / text the grammar forces next."""
 
+    def jump_forward(self) -> bytes:
+        """The bytes every continuation from here starts with (b"" when none, or when the engine cannot tell);
+        may end inside a UTF-8 sequence.  The forced drafter asks for it where the single-token walk ends."""
+
     def accept_bytes(self, data: bytes) -> bool:
         """Advance by raw bytes (used when a trigger completes mid-token); False if rejected (state unchanged)."""
 

@@ -117,10 +117,17 @@ def probs(logp: np.ndarray) -> np.ndarray:
 
 
 def sample(logp: np.ndarray, rng: np.random.Generator) -> int:
-    """One draw from a single log-law row (inverse CDF; deterministic for one-hot rows)."""
+    """One draw from a single log-law row (inverse CDF; deterministic for one-hot rows); one ``rng.random()``."""
+    return sample_u(logp, rng.random())
+
+
+def sample_u(logp: np.ndarray, u: float) -> int:
+    """The inverse-CDF draw of ``sample`` for the uniform ``u`` in [0, 1): the first token id whose cumulative
+    probability (in token-id order) exceeds ``u``.  Every law backend samples this way, from the same uniforms, so
+    their draws can be compared one for one."""
     p = np.exp(logp - np.max(logp))
     c = np.cumsum(p)
-    u = rng.random() * c[-1]
+    u = u * c[-1]
     i = int(np.searchsorted(c, u, side="right"))
     i = min(i, len(c) - 1)
     while p[i] == 0.0:  # never land on an excluded token (u at a flat spot of the CDF)

@@ -17,17 +17,22 @@ verified by the target; nothing is injected past the verifier.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import numpy as np
 
+from . import laws
 from .block import DraftBlock, Drafter, ModelRunner
-from .distributions import SamplingParams, log_law, sample
+from .distributions import SamplingParams
+from .masks import single_allowed
 from .prefix import common_prefix_len
 
 
 class ForcedDrafter:
-    """Tokens the grammar forces next, then the tokenized jump-forward string (each one a one-hot draft)."""
+    """Tokens the grammar forces next, read off the block's own masks (a position whose mask allows one token, never
+    a stop token), then, where that walk ends, the tokenized jump-forward string (one-hot drafts).  Fills no mask
+    of its own: every mask it reads is the block's, which the draft laws and the target law reuse."""
 
     name = "forced"
 
@@ -37,26 +42,38 @@ class ForcedDrafter:
     def extend(self, block: DraftBlock, budget: int) -> int:
         if block.matcher is None or budget <= 0 or block.dead:
             return 0
-        forced = block.matcher.forced()
-        toks = list(forced.tokens)
-        if not toks and forced.text and self.encode is not None:
-            try:
-                # the string's last token may merge with the text that follows it (forced 'age"' then ':' is
-                # tokenized 'age' '":' by the model), so a draft of it would be rejected: propose the others
-                toks = self.encode(forced.text.decode("utf-8"))[:-1]
-            except UnicodeDecodeError:
-                toks = []
         n = 0
-        for t in toks[:budget]:
+        while n < budget and not block.done:
+            t = single_allowed(block.mask())
+            if t is None or t in block.stop_token_ids or not block.push(t, None, "forced"):
+                break
+            n += 1
+        if n or self.encode is None or block.done:
+            return n
+        # the single-token walk ends here: the bytes every continuation starts with, tokenized as the model would;
+        # the string's last token may merge with the text that follows it (forced 'age"' then ':' is tokenized
+        # 'age' '":' by the model), so a draft of it would be rejected: propose the others
+        text = utf8_prefix(block.matcher.jump_forward())
+        for t in (self.encode(text)[:-1] if text else [])[:budget]:
             if not block.push(t, None, "forced"):
                 break
             n += 1
         return n
 
 
+def utf8_prefix(data: bytes) -> str:
+    """The longest prefix of ``data`` that is whole UTF-8 text (a jump-forward string may end inside a
+    character: its tail is left to the next position)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return data[: e.start].decode("utf-8")
+
+
 class ModelDrafter:
     """A draft model behind a ``ModelRunner``: one token per call, from the proposal law r = law(draft logits,
-    the block's mask, the same sampling options).  Its cache follows the block's sequence by longest common prefix."""
+    the block's mask, the same sampling options), computed by the round's law backend (``block.law``) where the
+    draft's logits live.  Its cache follows the block's sequence by longest common prefix."""
 
     name = "model"
 
@@ -68,9 +85,9 @@ class ModelDrafter:
         self.blind = blind
         self.width = target_vocab_size or runner.vocab_size
         self.passes = 0
-        self._last: np.ndarray | None = None  # logits after runner.tokens[-1]
+        self._last = None  # logits after runner.tokens[-1]
 
-    def _logits(self, seq: Sequence[int]) -> np.ndarray:
+    def _logits(self, seq: Sequence[int]):
         fed = self.runner.tokens
         lcp = common_prefix_len(fed, seq)
         if lcp == len(seq) == len(fed) and self._last is not None:
@@ -87,13 +104,13 @@ class ModelDrafter:
     def extend(self, block: DraftBlock, budget: int) -> int:
         if budget <= 0:
             return 0
-        logits = np.asarray(self._logits(block.sequence()), dtype=np.float64)
-        if logits.shape[-1] < self.width:  # pad a narrower draft head to the target width
-            logits = np.concatenate([logits, np.full(self.width - logits.shape[-1], -np.inf)])
-        logits = logits[: self.width]
-        mask = None if self.blind else block.mask()
-        law = log_law(logits, mask, self.params, None if self.blind else block.tilt())
-        token = sample(law, self.rng)
+        t0 = time.perf_counter_ns()
+        logits = self._logits(block.sequence())
+        block.tick("draft_forward", t0)
+        law_backend = block.law if block.law is not None else laws.get(None)
+        # one uniform per draft, greedy or not: the random stream is the same for every law backend
+        token, law = law_backend.draft(logits, block, self.params, self.rng.random(), blind=self.blind,
+                                       width=self.width)
         pushed = block.push(token, law, "model", check=not self.blind)
         return 1 if pushed else 0
 

@@ -18,13 +18,14 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from . import laws
 from .block import DraftBlock, Drafter, ModelRunner, fill
 from .constraint import CompiledConstraint, Matcher
-from .distributions import SamplingParams, log_law
+from .distributions import SamplingParams
 from .drafters import observe
 from .errors import ConstraintError
+from .laws import LawBackend
 from .prefix import sync_runner
-from .verify import verify_block
 
 
 @dataclass
@@ -43,6 +44,12 @@ class Stats:
     drafted_by_source: dict[str, int] = field(default_factory=dict)
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     mask_us: float = 0.0
+    mask_fills: int = 0  # grammar masks filled: one per position a round visits (mask_rows - mask_placeholders)
+    mask_rows: int = 0  # positions the rounds visited (their drafts and the bonus position)
+    mask_placeholders: int = 0  # of those, rows past the grammar's end: no fill needed
+    # host work per phase, ns: mask (fills, in mask_us), draft_forward / draft_law (the drafter's model and its
+    # laws), target_law, verify, copy, and "round": the whole round less the target's forward pass
+    host_ns: dict = field(default_factory=dict)
     target_s: float = 0.0
     wall_s: float = 0.0
     finish_reason: str | None = None
@@ -104,7 +111,7 @@ class SpeculativeLoop:
                  params: SamplingParams = SamplingParams(), max_tokens: int = 256, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, rng: np.random.Generator | None = None,
                  tilt_fn: Callable[[Sequence[int], Matcher | None], np.ndarray | None] | None = None,
-                 max_k: int = 64, free_forced: int = 16):
+                 max_k: int = 64, free_forced: int = 16, law: str | LawBackend | None = None):
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         if k < 0 or k > max_k:
@@ -126,6 +133,8 @@ class SpeculativeLoop:
             stop_token_ids = constraint.tokenizer.stop_token_ids if constraint is not None else ()
         self.stop_token_ids = frozenset(stop_token_ids)
         self.tilt_fn = tilt_fn
+        # where the law and the verifier run: the fast backend for the target's tensors unless named
+        self.law = laws.for_runner(target) if law is None else (laws.get(law) if isinstance(law, str) else law)
         self.width = target.vocab_size
         if constraint is not None and constraint.tokenizer.vocab_size < self.width:
             raise ConstraintError(
@@ -145,23 +154,28 @@ class SpeculativeLoop:
         budget = min(self.k, remaining - 1)
         free = max(0, min(self.free_forced, remaining - 1 - budget))
         block = DraftBlock([*self.prompt, *self.emitted], self.matcher, self.width, max(budget, 0),
-                           self.stop_token_ids, self.tilt_fn, prompt_len=len(self.prompt), free=free)
+                           self.stop_token_ids, self.tilt_fn, prompt_len=len(self.prompt), free=free, law=self.law)
         if budget > 0:
             fill(block, self.drafter)
-        masks, tilts = block.finish()
+        block.finish()
         pending = self.prompt[-1] if not self.emitted else self.emitted[-1]
-        t0 = time.perf_counter()
-        logits = np.asarray(self.target.forward([pending, *block.tokens]), dtype=np.float64)
-        self.stats.target_s += time.perf_counter() - t0
+        t_fwd = time.perf_counter_ns()
+        logits = self.target.forward([pending, *block.tokens])
+        t1 = time.perf_counter_ns()
+        self.stats.target_s += (t1 - t_fwd) / 1e9
         self.stats.target_passes += 1
-        tilt = None if tilts is None else np.stack([np.zeros(self.width) if t is None else t for t in tilts])
-        q = log_law(logits[:, : self.width], masks, self.params, tilt)
-        verdict = verify_block(block.tokens, q, block.laws, self.rng)
-        a = verdict.accepted
         n = len(block.tokens)
+        u = self.rng.random(n) if n else np.zeros(0)  # the uniforms every law backend verifies with
+        verdict = self.law.verify(logits, block, self.params, u, self.rng.random())
+        a = verdict.accepted
         self.stats.rounds += 1
         self.stats._count(block, a)
         self.stats.mask_us += block.mask_ns / 1e3
+        self.stats.mask_fills += block.mask_fills
+        self.stats.mask_rows += len(block.masks) if block.masks is not None else 0
+        self.stats.mask_placeholders += block.placeholders
+        for phase, ns in block.timing.items():
+            self.stats.host_ns[phase] = self.stats.host_ns.get(phase, 0) + ns
         # roll back the matcher to the committed prefix and the target cache to prompt + committed[:-1]
         if self.matcher is not None:
             self.matcher.rollback(min(block.matched, n) - min(a, block.matched))
@@ -188,6 +202,9 @@ class SpeculativeLoop:
             finish = "stop"
         elif len(self.emitted) >= self.max_tokens:
             finish = "length"
+        # the round's time less the target's forward pass (the draft model's passes are in host_ns["draft_forward"])
+        self.stats.host_ns["round"] = self.stats.host_ns.get("round", 0) + (time.perf_counter_ns() - t1) + (
+            t_fwd - block.t_start)
         return Commit(tuple(new), finish)
 
     # -------------------------------------------------------------------------------------------- API

@@ -60,3 +60,14 @@ def full_mask(vocab_size: int, exclude: Iterable[int] = ()) -> np.ndarray:
         if 0 <= t < vocab_size:
             allowed[t] = False
     return pack_mask(allowed)
+
+
+def single_allowed(row: np.ndarray) -> int | None:
+    """The only allowed token of a packed row, or None if zero or several are allowed."""
+    nz = np.flatnonzero(row)
+    if len(nz) != 1:
+        return None
+    word = int(row.view(np.uint32)[nz[0]])
+    if word & (word - 1):
+        return None
+    return int(nz[0]) * 32 + word.bit_length() - 1

@@ -56,11 +56,12 @@ def make_drafter(options: SpecOptions, tokenizer, *, params: SamplingParams = Sa
 def make_loop(target: ModelRunner, prompt: Sequence[int], options: SpecOptions, *,
               constraint: CompiledConstraint | None, tokenizer=None, params: SamplingParams = SamplingParams(),
               rng: np.random.Generator | None = None, draft_runner: ModelRunner | None = None,
-              max_tokens: int = 256, stop_token_ids: Sequence[int] | None = None, blind: bool = False
-              ) -> SpeculativeLoop:
+              max_tokens: int = 256, stop_token_ids: Sequence[int] | None = None, blind: bool = False,
+              law=None) -> SpeculativeLoop:
     """One request's ``SpeculativeLoop``: the drafter chain of ``make_drafter`` (``options.k`` drafts per round,
     default ``DEFAULT_K``), and the opt-in cost-aware law (``options.lam`` / ``adaptive`` / ``budget``: the output
-    law is then the tilted q_lambda, still sampled exactly).  ``tokenizer`` defaults to the constraint's."""
+    law is then the tilted q_lambda, still sampled exactly).  ``tokenizer`` defaults to the constraint's.  ``law``:
+    the law backend (a name or a ``laws.LawBackend``; default: the fast one for the target's tensors)."""
     rng = rng if rng is not None else np.random.default_rng()
     k = options.k if options.k is not None else DEFAULT_K
     options = replace(options, k=k)
@@ -72,4 +73,4 @@ def make_loop(target: ModelRunner, prompt: Sequence[int], options: SpecOptions, 
                      max_tokens=max_tokens)
     return SpeculativeLoop(target, prompt, constraint=constraint, drafter=drafter, k=k if drafter is not None else 0,
                            params=params, max_tokens=max_tokens, rng=rng, stop_token_ids=stop_token_ids,
-                           tilt_fn=tilt)
+                           tilt_fn=tilt, law=law)

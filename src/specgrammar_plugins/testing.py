@@ -145,3 +145,62 @@ def toy_tokenizer(vocab_size: int = 128):
         return out
 
     return TokenizerInfo(tuple(pieces), 0, (0,), vocab_size, frozenset({0}), encode, None, "toy")
+
+
+class TableMatcher:
+    """A matcher whose allowed tokens at depth i are the packed row ``masks[i]`` (pure data: for laws and
+    verification on small vocabularies, where the grammar is not the point).  Implements ``constraint.Matcher``."""
+
+    def __init__(self, masks: Sequence[np.ndarray], vocab_size: int, depth: int = 0):
+        self.masks, self.vocab_size, self.depth = masks, vocab_size, depth
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        out[:] = self.masks[self.depth]
+
+    def accept(self, token: int) -> bool:
+        from .masks import mask_allows
+
+        if self.depth >= len(self.masks) or not mask_allows(self.masks[self.depth], int(token)):
+            return False
+        self.depth += 1
+        return True
+
+    def rollback(self, n: int) -> None:
+        self.depth -= n
+
+    def fork(self) -> "TableMatcher":
+        return TableMatcher(self.masks, self.vocab_size, self.depth)
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def forced(self):
+        from .constraint import Forced
+
+        return Forced()
+
+    def jump_forward(self) -> bytes:
+        return b""
+
+    def accept_bytes(self, data: bytes) -> bool:
+        return False
+
+
+class CountingMatcher:
+    """Wraps a real engine's matcher and counts every ``fill_mask`` call made on it or on its forks (``counter``:
+    a one-element list shared by the forks)."""
+
+    def __init__(self, inner, counter: list | None = None):
+        self.inner = inner
+        self.counter = counter if counter is not None else [0]
+        self.vocab_size = inner.vocab_size
+
+    def fill_mask(self, out):
+        self.counter[0] += 1
+        self.inner.fill_mask(out)
+
+    def fork(self):
+        return CountingMatcher(self.inner.fork(), self.counter)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

@@ -155,6 +155,9 @@ class TriggeredMatcher:
     def forced(self) -> Forced:
         return self.inner.forced() if self.inner is not None else Forced()
 
+    def jump_forward(self) -> bytes:
+        return self.inner.jump_forward() if self.inner is not None else b""
+
     @property
     def active(self) -> bool:
         """True once the trigger has been generated and the grammar constrains."""

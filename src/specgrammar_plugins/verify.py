@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .distributions import sample
+from .distributions import sample_u
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,17 @@ def verify_block(drafts: Sequence[int], target_logp: np.ndarray, draft_logp: Seq
 
     drafts: k token ids.  target_logp: [k+1, V] log-laws (row i judges draft i; row k is the bonus law).
     draft_logp: k rows (or ``None`` for all one-hot); a row may be ``None`` (one-hot at the draft token).
+    Draws ``rng.random(k)`` (the acceptance uniforms) and then one ``rng.random()`` (the final token).
     """
+    k = len(drafts)
+    return verify_block_u(drafts, target_logp, draft_logp, rng.random(k) if k else np.zeros(0), rng.random())
+
+
+def verify_block_u(drafts: Sequence[int], target_logp: np.ndarray, draft_logp: Sequence[np.ndarray | None] | None,
+                   u: np.ndarray, u_final: float) -> Verdict:
+    """``verify_block`` with its uniforms given: ``u[i]`` decides draft i (accepted iff ``u[i] < min(1, q/r)``),
+    ``u_final`` draws the residual or bonus token (``distributions.sample_u``).  Every law backend verifies this way
+    from the same uniforms."""
     k = len(drafts)
     q = np.asarray(target_logp, dtype=np.float64)
     if q.shape[0] != k + 1:
@@ -45,13 +55,12 @@ def verify_block(drafts: Sequence[int], target_logp: np.ndarray, draft_logp: Seq
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(r_d > 0, q_d / r_d, np.where(q_d > 0, np.inf, 0.0))
         accept_p = np.minimum(1.0, ratio)
-        u = rng.random(k)
-        rejected = np.flatnonzero(u >= accept_p)
+        rejected = np.flatnonzero(np.asarray(u[:k]) >= accept_p)
         a = int(rejected[0]) if rejected.size else k
     else:
         a = 0
     if a == k:
-        return Verdict(k, sample(q[k], rng), False)
+        return Verdict(k, sample_u(q[k], u_final), False)
     qa = np.exp(q[a])
     r = draft_logp[a]
     if r is None:
@@ -64,4 +73,4 @@ def verify_block(drafts: Sequence[int], target_logp: np.ndarray, draft_logp: Seq
         resid = qa
         total = resid.sum()
     with np.errstate(divide="ignore"):
-        return Verdict(a, sample(np.log(resid / total), rng), True)
+        return Verdict(a, sample_u(np.log(resid / total), u_final), True)

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "strategies": "baseline / blind draft / aware draft / forced / recipe / full chain per host and workload",
     "recipes": "the kolm table: cold / draft model / recipe pack / both, coverage and accuracy against greedy",
     "scale": "verify k vs decode 1 at the Qwen2.5-0.5B shape (fp32, random weights) and the PROJECTED speedup",
+    "overhead": "the loop's host work per round at V = 151,936 per law backend, beside the 0.5B forward time",
     "mlx_host": "mlx-lm: our loop vs mlx-lm constrained and mlx-lm's own speculative loop",
     "llama_cpp_host": "llama-cpp-python: our Llama vs stock Llama (no drafting / blind draft_model)",
     "vllm_host": "vLLM: our proposer vs ngram and draft_model under the same structured outputs",

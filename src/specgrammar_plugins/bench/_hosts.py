@@ -61,11 +61,12 @@ class Run:
     mask_us: float | None = None
     by_source: dict = field(default_factory=dict)
     stop: bool = False
+    drafted_by_source: dict = field(default_factory=dict)  # drafts per drafter (model drafts = draft model passes)
 
     @classmethod
     def from_stats(cls, tokens, text, st, seconds, stop_ids) -> "Run":
         return cls(list(tokens), text, st.target_passes, seconds, st.drafted, st.accepted, st.rounds, st.mask_us,
-                   dict(st.accepted_by_source), bool(tokens) and tokens[-1] in stop_ids)
+                   dict(st.accepted_by_source), bool(tokens) and tokens[-1] in stop_ids, dict(st.drafted_by_source))
 
 
 class MLXHost:
@@ -234,7 +235,8 @@ class LlamaHost:
         st = llm.last_stats
         choice = out["choices"][0]
         return Run([-1] * st.emitted, choice["text"], st.target_passes, dt, st.drafted, st.accepted, st.rounds,
-                   st.mask_us, dict(st.accepted_by_source), choice["finish_reason"] == "stop")
+                   st.mask_us, dict(st.accepted_by_source), choice["finish_reason"] == "stop",
+                   dict(st.drafted_by_source))
 
 
 HOSTS = {"mlx": MLXHost, "llama_cpp": LlamaHost}

@@ -13,14 +13,21 @@ with a ``DynamicCache``), each when installed; ``--device cuda`` runs the torch 
 passes the cache is trimmed back to the context, so every pass sees the same context length.  The ratios use the
 fastest pass of each size (the least disturbed one on a shared machine); the medians are printed beside them.
 
-Then the PROJECTION: with the tokens per target pass measured by ``bench strategies`` (its JSON, ``--strategies``,
-default ``bench-out/strategies/strategies.json`` when present; otherwise a short measurement on the tiny pair through
-mlx-lm), the speedup that acceptance implies at this shape is
+Then the PROJECTION: with the rounds (target passes), drafts and draft-model passes per token measured by ``bench
+strategies`` (its JSON, ``--strategies``, default ``bench-out/strategies/strategies.json`` when present; otherwise
+a short measurement on the tiny pair through mlx-lm), the speedup they imply at this shape, counting everything a
+round costs:
 
-    projected speedup = tokens_per_pass * t(1) / t(k+1)
+    per token, speculative  =  rounds/token x (t(k+1) + host(k))  +  draft passes/token x t_draft(1)
+    per token, plain        =  t(1) + host(0)
+    projected speedup       =  plain / speculative
 
-(k = the k those runs used).  It is a projection, not a measurement: it leaves out the drafter's own cost (zero for
-forced tokens and recipe packs, a small model's forward for the draft model) and the grammar's time per token.
+t(n): the target's forward over n tokens (measured here); t_draft(1): one token of a draft model at
+``--draft-shape`` (a quarter of the 0.5B shape's hidden size and layers, same vocabulary: measured here; zero for
+forced tokens and recipe packs, which draft without a model); host(k): the loop's own work per round at the real
+vocabulary with k drafts (``bench overhead``'s JSON, ``--overhead``, default ``bench-out/overhead/overhead.json``,
+greedy, the fast numpy backend; host(0) is plain decoding's, one mask and one argmax; 0 when absent, and said so).
+It is a projection, not a measurement of a real pair.
 
     specgrammar bench scale [--backends mlx torch] [--context 256] [--ks 1 2 4 8] [--reps 7] [--device cpu|cuda]
                             [--strategies PATH] [--out-dir bench-out/scale] [--quick]
@@ -41,6 +48,9 @@ from . import _report as R
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
                   max_position_embeddings=32768, tie_word_embeddings=True)
+# a draft for it: a quarter of the hidden size and layers, the same vocabulary (its lm_head dominates its cost)
+DRAFT_SHAPE = dict(QWEN25_05B, hidden_size=448, num_hidden_layers=6, num_attention_heads=7, num_key_value_heads=1,
+                   intermediate_size=1216)
 
 
 def _time_sizes(step, sizes, reps: int) -> dict:
@@ -134,8 +144,8 @@ def acceptance(path: Path | None, quick: bool, show_progress: bool) -> dict:
         hosts = [r["host"] for r in doc["rows"]]
         host = "mlx" if "mlx" in hosts else hosts[0]  # the hosts count the same passes: one host's rows suffice
         rows = [r for r in doc["rows"] if r["strategy"] != "baseline" and r["host"] == host]
-        return {"k": doc["k"], "temperature": doc["temperature"], "source": str(path), "rows": [
-            {key: r[key] for key in ("host", "workload", "strategy", "tokens_per_pass")} for r in rows]}
+        return {"k": doc["k"], "temperature": doc["temperature"], "source": str(path),
+                "rows": [_acc_row(r) for r in rows]}
     from ._hosts import STRATEGIES
     from .strategies import WORKLOADS, run
 
@@ -143,9 +153,34 @@ def acceptance(path: Path | None, quick: bool, show_progress: bool) -> dict:
     ws = ["json_extraction"] if quick else list(WORKLOADS)
     strategies = [STRATEGIES[s] for s in ("baseline", "recipe", "full")]
     rows = run(["mlx"], ws, strategies, 1 if quick else 3, k, 32 if quick else 64, 0.0, show_progress, "acceptance")
-    return {"k": k, "temperature": 0.0, "source": "measured now (mlx, tiny pair, T=0)", "rows": [
-        {key: r[key] for key in ("host", "workload", "strategy", "tokens_per_pass")}
-        for r in rows if r["strategy"] != "baseline"]}
+    return {"k": k, "temperature": 0.0, "source": "measured now (mlx, tiny pair, T=0)",
+            "rows": [_acc_row(r) for r in rows if r["strategy"] != "baseline"]}
+
+
+def _acc_row(r: dict) -> dict:
+    """Per token: target passes (= rounds of our loop), draft-model passes (its model drafts)."""
+    tokens = max(1, r["tokens"])
+    model = (r.get("drafted_by_source") or {}).get("model")
+    if model is None:  # a strategies JSON from before drafted_by_source: every draft of a model strategy
+        model = r.get("drafted", 0) if r["strategy"] in ("blind", "aware", "full") else 0
+    return {"host": r["host"], "workload": r["workload"], "strategy": r["strategy"],
+            "tokens_per_pass": r["tokens_per_pass"], "rounds_per_token": r["target_passes"] / tokens,
+            "draft_passes_per_token": model / tokens}
+
+
+def host_ms(path: Path | None, k: int) -> tuple[float, float, str]:
+    """(host ms per round with k drafts, host ms per plain round, where from), greedy, fast numpy backend, from a
+    ``bench overhead`` JSON; zeros when absent."""
+    if path is None or not path.exists():
+        return 0.0, 0.0, "no bench overhead JSON: host work left out (0 ms)"
+    rows = [r for r in json.loads(path.read_text())["rows"] if r.get("rounds") and r["mode"] == "greedy"
+            and r["backend"] == "numpy"]
+    if not rows:
+        return 0.0, 0.0, f"{path} has no greedy numpy rows: host work left out (0 ms)"
+    by_k = {r["k"]: r["host_ms"] for r in rows}
+    near = min(by_k, key=lambda x: abs(x - k))
+    plain = by_k.get(0, min(by_k.values()) if 1 in by_k else 0.0)
+    return by_k[near], plain, f"{path} (greedy, numpy backend, k={near})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed passes per size (default 7; quick 2)")
     ap.add_argument("--strategies", type=Path, default=Path("bench-out/strategies/strategies.json"),
                     help="a bench strategies JSON with the measured acceptance (measured now when absent)")
+    ap.add_argument("--overhead", type=Path, default=Path("bench-out/overhead/overhead.json"),
+                    help="a bench overhead JSON: the loop's host work per round at the real vocabulary")
     ap.add_argument("--timings", type=Path, default=None,
                     help="reuse the forward timings of an earlier scale JSON (no model is run): only the projection "
                          "is recomputed, e.g. after a new strategies run")
@@ -195,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     for b in R.progress(backends, "scale", disable=a.no_progress):
         m = measure_mlx(QWEN25_05B, context, ks, reps) if b == "mlx" else \
             measure_torch(QWEN25_05B, context, ks, reps, a.device)
+        d = measure_mlx(DRAFT_SHAPE, context, [1], reps) if b == "mlx" else \
+            measure_torch(DRAFT_SHAPE, context, [1], reps, a.device)
+        m["draft"] = {"params": d["params"], "t1_ms": 1e3 * d["times"][1]["min"]}
         results.append(m)
     for m in results:
         t = {n: v["min"] for n, v in m["times"].items()}
@@ -203,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                       "tk1_median_ms": 1e3 * m["times"][k + 1]["median"]} for k in ks]
     acc = acceptance(a.strategies, a.quick, not a.no_progress)
     kk = acc["k"]
+    h_k, h_0, h_src = host_ms(a.overhead, kk)
     proj = []
     for m in results:
         t = {n: v["min"] for n, v in m["times"].items()}
@@ -210,10 +251,15 @@ def main(argv: list[str] | None = None) -> int:
         tk = t.get(kk + 1)
         if tk is None:  # the measured k is not among --ks (timing it would cost another model load): interpolate
             tk = _interpolate(t, kk + 1)
+        td = (m.get("draft") or {}).get("t1_ms", 0.0)
         for r in acc["rows"]:
+            spec = r["rounds_per_token"] * (1e3 * tk + h_k) + r["draft_passes_per_token"] * td
+            plain = 1e3 * t1 + h_0
             proj.append({"backend": m["backend"], "device": m["device"], **r, "k": kk,
-                         "t1_ms": 1e3 * t1, "tk1_ms": 1e3 * tk,
-                         "projected_speedup": r["tokens_per_pass"] * t1 / tk})
+                         "t1_ms": 1e3 * t1, "tk1_ms": 1e3 * tk, "draft_t1_ms": td, "host_ms": h_k, "host0_ms": h_0,
+                         "ms_per_token": spec, "plain_ms_per_token": plain,
+                         "projected_speedup": plain / spec,
+                         "passes_only_speedup": r["tokens_per_pass"] * t1 / tk})
     print(f"\nbench scale: Qwen2.5-0.5B shape (hidden 896, 24 layers, 14/2 heads, intermediate 4864, vocab 151,936), "
           f"fp32, random weights, context {context}, {reps} interleaved repetitions per size: fastest (median), "
           f"BLAS: {preloaded()}\n")
@@ -221,20 +267,28 @@ def main(argv: list[str] | None = None) -> int:
                      [[m["backend"], m["device"], f"{m['params'] / 1e6:.0f}M", r["k"],
                        f"{r['t1_ms']:.0f} ({r['t1_median_ms']:.0f})", f"{r['tk1_ms']:.0f} ({r['tk1_median_ms']:.0f})",
                        f"{r['cost_ratio']:.2f}"] for m in results for r in m["rows"]], right=range(2, 7)))
-    print(f"\nPROJECTION (not a measurement): tokens per target pass from {acc['source']} (k={kk}, "
-          f"T={acc['temperature']:g}) x t(1)/t(k+1) at this shape; the drafter's and the grammar's own time are "
-          "left out.\n")
+    for m in results:
+        if m.get("draft"):
+            print(f"draft shape for the projection ({m['backend']}): {m['draft']['params'] / 1e6:.0f}M parameters, "
+                  f"t_draft(1) = {m['draft']['t1_ms']:.1f} ms")
+    print(f"\nPROJECTION (not a measurement): per token, rounds x (t(k+1) + host) + draft passes x t_draft(1) "
+          f"against t(1) + host(0), with rounds and draft passes per token from {acc['source']} (k={kk}, "
+          f"T={acc['temperature']:g}); host work per round from {h_src}: {h_k:.2f} ms (plain {h_0:.2f} ms).  "
+          "'passes only' is the old figure, tokens per pass x t(1)/t(k+1), which counts none of that.\n")
     backs = [f"{m['backend']} ({m['device']})" for m in results]
     get = {(p["workload"], p["strategy"], f"{p['backend']} ({p['device']})"): p for p in proj}
     keys = list(dict.fromkeys((p["workload"], p["strategy"]) for p in proj))
-    print(R.md_table(["workload", "strategy", "tokens / target pass", *[f"PROJECTED speedup, {b}" for b in backs]],
+    print(R.md_table(["workload", "strategy", "tokens / target pass", "draft passes / token",
+                      *[f"PROJECTED speedup, {b} (passes only)" for b in backs]],
                      [[w, s, f"{get[w, s, backs[0]]['tokens_per_pass']:.2f}",
-                       *[f"{get[w, s, b]['projected_speedup']:.2f}x" for b in backs]] for w, s in keys],
-                     right=range(2, 3 + len(backs))))
+                       f"{get[w, s, backs[0]]['draft_passes_per_token']:.2f}",
+                       *[f"{get[w, s, b]['projected_speedup']:.2f}x ({get[w, s, b]['passes_only_speedup']:.2f}x)"
+                         for b in backs]] for w, s in keys],
+                     right=range(2, 4 + len(backs))))
     print(f"\n{time.perf_counter() - rep.t0:.0f}s; command: specgrammar bench scale {' '.join(argv)}")
     for m in results:
         m["times"] = {str(n): v for n, v in m["times"].items()}
-    rep.write({"shape": QWEN25_05B, "dtype": "float32", "weights": "random (forward cost does not depend on them)",
+    rep.write({"shape": QWEN25_05B, "draft_shape": DRAFT_SHAPE, "host_from": h_src, "dtype": "float32", "weights": "random (forward cost does not depend on them)",
                "context": context, "ks": ks, "reps": reps, "blas": preloaded(), "results": results,
                "timings_from": str(a.timings) if a.timings else None,
                "acceptance": acc, "projection": proj,

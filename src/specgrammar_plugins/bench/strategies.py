@@ -91,6 +91,7 @@ def summarize(host: str, workload: str, runs: dict, temperature: float) -> list[
             "grammar_us_per_token": (R.ratio(sum(r.mask_us for r in rs), tokens)
                                      if all(r.mask_us is not None for r in rs) else None),
             "accepted_by_source": _sum_dicts(r.by_source for r in rs),
+            "drafted_by_source": _sum_dicts(r.drafted_by_source for r in rs),
             "valid": sum(bool(r.stop and W.is_valid(workload, r.text)) for r in rs),
         }
         row["speed_vs_baseline"] = R.median([R.ratio(len(r.tokens) / r.seconds, len(b.tokens) / b.seconds)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..constraint import Forced
-from ..masks import mask_words
+from ..masks import mask_words, single_allowed
 from ..errors import ConstraintError
 from ..tokenizer import TokenizerInfo
 
@@ -59,17 +59,6 @@ def popcount(row: np.ndarray) -> int:
     if hasattr(np, "bitwise_count"):  # numpy >= 2.0
         return int(np.bitwise_count(row.view(np.uint32)).sum())
     return int(np.unpackbits(row.view(np.uint8)).sum())
-
-
-def single_allowed(row: np.ndarray) -> int | None:
-    """The only allowed token of a packed row, or None if zero or several are allowed."""
-    nz = np.flatnonzero(row)
-    if len(nz) != 1:
-        return None
-    word = int(row.view(np.uint32)[nz[0]])
-    if word & (word - 1):
-        return None
-    return int(nz[0]) * 32 + word.bit_length() - 1
 
 
 _TS_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+?:\d+: ")

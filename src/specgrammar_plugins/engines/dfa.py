@@ -319,6 +319,9 @@ class DFAMatcher:
     def is_terminated(self) -> bool:
         return self.terminated
 
+    def jump_forward(self) -> bytes:
+        return b""  # the reference engine walks single-token masks only
+
     def forced(self) -> Forced:
         """Forced tokens: while exactly one token is allowed and the state cannot stop (at most 32)."""
         from ..masks import allowed_ids

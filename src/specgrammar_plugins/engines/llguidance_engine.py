@@ -265,6 +265,11 @@ class LLGuidanceMatcher:
             tokens = forced_from_masks(self, self.tok).tokens
         return Forced(tokens, text)
 
+    def jump_forward(self) -> bytes:
+        if self.book.terminated or self.m.is_stopped():
+            return b""
+        return bytes(self.m.compute_ff_bytes())
+
     # the raw engine call, for overhead measurements
     def raw_fill(self, out: np.ndarray) -> None:
         self.m.unsafe_compute_mask_ptr(out.ctypes.data, self._words * 4)

@@ -265,6 +265,9 @@ class OutlinesCoreMatcher:
     def forced(self) -> Forced:
         return forced_from_masks(self, self.tok)
 
+    def jump_forward(self) -> bytes:
+        return b""  # outlines-core has no jump-forward; the forced drafter walks single-token masks
+
     @property
     def state(self) -> int:
         return self.states[-1]

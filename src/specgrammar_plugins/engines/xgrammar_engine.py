@@ -217,6 +217,14 @@ class XGrammarMatcher:
             text = chain.text
         return Forced(chain.tokens, text)
 
+    def jump_forward(self) -> bytes:
+        if self.book.terminated:
+            return b""
+        try:
+            return self.gm.find_jump_forward_string().encode("utf-8")
+        except UnicodeDecodeError:  # xgrammar 0.2.8 hands the string over as str: one ending mid-character fails
+            return b""
+
     # the raw engine call, for overhead measurements
     def raw_fill(self, out: np.ndarray) -> None:
         self.gm.fill_next_token_bitmask(out)
