@@ -38,4 +38,19 @@ def available_engines():
     return out
 
 
+def outputs_chi2(law: dict, seen, n: int) -> float:
+    """p-value of the chi-square goodness of fit of ``n`` sampled whole outputs (``seen``: output -> count)
+    against their exact law (``testing.exact_law``): one cell per output with expected count >= 5, the rest
+    pooled in one cell."""
+    from scipy import stats
+
+    keys = [o for o in law if law[o] * n >= 5]
+    rest = 1 - sum(law[o] for o in keys)
+    obs = [seen[o] for o in keys] + [n - sum(seen[o] for o in keys)]
+    exp = [law[o] * n for o in keys] + [rest * n]
+    if rest * n < 1e-9:
+        obs, exp = obs[:-1], exp[:-1]
+    return stats.chisquare(obs, exp).pvalue
+
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -7,7 +7,8 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
 - request -> constraint and options: ``parse_request``, ``SpecOptions``; compiling: ``compile_constraint``
   (cached), ``LIMITS``, ``COMPILE_POOL``;
 - the one road to decoding: ``make_loop`` (hosts that let us own decoding), ``make_drafter`` + ``DraftBlock`` +
-  ``fill`` (hosts that verify drafts themselves), ``with_defaults`` (merge host defaults into request options);
+  ``fill`` (hosts that verify drafts themselves), ``with_defaults`` (merge host defaults into request options),
+  ``check_budget`` / ``budget_of`` (a request's budget feasibility: ``BudgetError`` when it cannot end in time);
 - history-keyed masks for hosts that keep their own loop: ``MaskProcessor``, ``StopOnlyMask``, ``HistoryMatcher``;
 - the law and the verifier: ``SamplingParams``, ``GREEDY``, ``log_law``, ``verify_block`` (the reference), and
   ``law_backend(name)``: the same law and verifier where the logits live (``numpy``, ``mlx``, ``torch``);
@@ -22,7 +23,7 @@ from .compile_worker import POOL as COMPILE_POOL
 from .compiler import LIMITS, compile_constraint
 from .constraint import CompiledConstraint, ConstraintSpec, Forced, Matcher
 from .distributions import GREEDY, SamplingParams, log_law
-from .errors import ConstraintError, EmptyMaskError, RequestError, SpecGrammarError, TokenizerMismatchError
+from .errors import BudgetError, ConstraintError, EmptyMaskError, RequestError, SpecGrammarError, TokenizerMismatchError
 from .history import HistoryMatcher, MaskProcessor, RequestBoundary, StopOnlyMask
 from .laws import LawBackend
 from .laws import get as law_backend
@@ -33,17 +34,17 @@ from .plugins import drafters as registered_drafters
 from .prefix import common_prefix_len, sync_runner
 from .recipes import RecipePackError, resolve as resolve_pack
 from .requests import DEFAULT_DRAFTERS, SpecOptions, parse_request
-from .speculation import make_drafter, make_loop, with_defaults
+from .speculation import budget_of, check_budget, make_drafter, make_loop, with_defaults
 from .tokenizer import TokenizerInfo
 from .verify import Verdict, verify_block
 
 __all__ = [
-    "COMPILE_POOL", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
+    "BudgetError", "COMPILE_POOL", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
     "DraftBlock", "Drafter", "EmptyMaskError", "Forced", "GREEDY", "HistoryMatcher", "LIMITS", "LawBackend",
     "MaskProcessor",
     "Matcher", "ModelRunner", "RecipePackError", "RequestBoundary", "RequestError", "SamplingParams",
     "SpecGrammarError", "SpecOptions", "SpeculativeLoop", "Stats", "StopOnlyMask", "TokenizerInfo",
-    "TokenizerMismatchError", "Verdict", "common_prefix_len", "compile_constraint", "fill", "law_backend", "log_law",
+    "TokenizerMismatchError", "Verdict", "budget_of", "check_budget", "common_prefix_len", "compile_constraint", "fill", "law_backend", "log_law",
     "make_drafter", "make_loop", "mask_words", "new_mask", "parse_request", "patch_path", "registered_drafters",
     "resolve_pack", "sync_runner", "unpack_mask", "verify_block", "with_defaults",
 ]

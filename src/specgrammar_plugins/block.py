@@ -47,12 +47,16 @@ class DraftBlock:
     ``budget`` bounds the model's and recipes' drafts (k); ``free`` more positions are open to tokens the grammar
     forces (source "forced"): where the mask allows one token the masked target law puts all its mass on it, so
     it is always accepted and only widens the verification pass by a row.  ``room`` is what a drafter may still
-    push."""
+    push.
+
+    ``fit`` (``budget.Budget``): the request's budget feasibility; its cut is part of each row, made right after
+    the grammar fills it (still one fill per position), so draft laws and target law read the same combined row.
+    ``fit_cut[i]``: whether it removed a token at position i."""
 
     def __init__(self, context: Sequence[int], matcher: Matcher | None, vocab_size: int, budget: int,
                  stop_token_ids: Sequence[int] = (),
                  tilt_fn: Callable[[Sequence[int], Matcher | None], np.ndarray | None] | None = None,
-                 prompt_len: int = 0, free: int = 0, law=None):
+                 prompt_len: int = 0, free: int = 0, law=None, fit=None):
         self.context = context  # committed tokens (prompt + emitted) before the block
         self.prompt_len = prompt_len  # tilt_fn sees the generated part: context[prompt_len:] + drafts
         self.matcher = matcher
@@ -74,6 +78,8 @@ class DraftBlock:
         # one packed row per position visited, filled once by the matcher (None: unconstrained)
         self.masks: list[np.ndarray] | None = [] if matcher is not None else None
         self.tilts: list[np.ndarray | None] = []
+        self.fit = fit
+        self.fit_cut: list[bool] = []
         self.mask_ns = 0
         self.mask_fills = 0  # matcher.fill_mask calls: exactly one per position visited
         self.placeholders = 0  # rows past the grammar's end (or after a rejected blind draft): never filled
@@ -114,6 +120,10 @@ class DraftBlock:
                 row = np.empty(mask_words(self.vocab_size), dtype=np.int32)
                 self.matcher.fill_mask(row)
                 self.mask_fills += 1
+                if self.fit is not None:
+                    self.fit_cut.append(self.fit.restrict(row, self.sequence()[self.prompt_len:]))
+            if len(self.fit_cut) < len(self.masks) + 1:
+                self.fit_cut.append(False)
             self.masks.append(row)
             if self.tilt_fn is not None:
                 self.tilts.append(self.tilt_fn(self.sequence()[self.prompt_len:], self.matcher))

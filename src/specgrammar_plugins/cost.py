@@ -83,6 +83,8 @@ class RegularCost:
         # reaches one (``_j``).  J is thus the fewest tokens over ways that pass through whole characters,
         # which is every way for ASCII targets; if no such way ends, everything is expanded (capped).
         self.ids = [i for i, b in enumerate(tokenizer.token_bytes) if b and i not in tokenizer.special_ids]
+        self._valid = np.zeros(len(tokenizer.token_bytes), dtype=bool)
+        self._valid[self.ids] = True
         start = (g.dfa.initial, b"")
         key = (pattern, tokenizer.fingerprint)
         shared = _GRAPHS.get(key)
@@ -104,8 +106,15 @@ class RegularCost:
     def _edges(self, st: tuple) -> dict[int, tuple]:
         e = self.succ.get(st)
         if e is None:
-            tb = self.tok.token_bytes
-            e = {t: n for t in self.ids if (n := self.g.walk(st, tb[t])) is not None}
+            # only the tokens the DFA's own mask allows (a trie walk that prunes dead prefixes, cached per state):
+            # walking every token from every state costs |V| walks per state (seconds on a 151k vocabulary)
+            from .masks import allowed_ids
+
+            tb, valid = self.tok.token_bytes, self._valid
+            e = {}
+            for t in allowed_ids(self.g.mask(st), self.width).tolist():
+                if t < len(valid) and valid[t] and (n := self.g.walk(st, tb[t])) is not None:
+                    e[t] = n
             self.succ[st] = e
         return e
 

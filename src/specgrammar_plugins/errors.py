@@ -30,5 +30,17 @@ class EmptyMaskError(ConstraintError):
     """No token is allowed at some position: the constraint cannot be continued (or the mask was filtered empty)."""
 
 
+class BudgetError(ConstraintError):
+    """The constraint's shortest completion does not fit in the request's budget (``max_tokens`` or
+    ``specgrammar.budget``): refused up front rather than cut off mid-structure.  ``shortest`` is that length in
+    tokens (stop token included; ``None`` when no completion was found at all), ``budget`` the request's."""
+
+    def __init__(self, reason: str, *, shortest: int | None, budget: int, engine: str | None = None,
+                 kind: str | None = None):
+        super().__init__(reason, engine=engine, kind=kind)
+        self.shortest = shortest
+        self.budget = budget
+
+
 class RequestError(SpecGrammarError, ValueError):
     """A request option is malformed (unknown drafter, bad k, ...). Servers answer HTTP 400."""

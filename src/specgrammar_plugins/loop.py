@@ -21,7 +21,7 @@ import numpy as np
 from . import laws
 from .block import DraftBlock, Drafter, ModelRunner, fill
 from .constraint import CompiledConstraint, Matcher
-from .distributions import SamplingParams
+from .distributions import SamplingParams, log_law, sample_u
 from .drafters import observe
 from .errors import ConstraintError
 from .laws import LawBackend
@@ -54,6 +54,8 @@ class Stats:
     wall_s: float = 0.0
     finish_reason: str | None = None
     cost: dict = field(default_factory=dict)  # cost-aware runs: the lambda the controller chose
+    # budget feasibility (``budget.Budget.report``): mode, budget, shortest completion, whether it shaped the output
+    budget: dict = field(default_factory=dict)
 
     @property
     def forced_tokens(self) -> int:
@@ -111,7 +113,7 @@ class SpeculativeLoop:
                  params: SamplingParams = SamplingParams(), max_tokens: int = 256, seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, rng: np.random.Generator | None = None,
                  tilt_fn: Callable[[Sequence[int], Matcher | None], np.ndarray | None] | None = None,
-                 max_k: int = 64, free_forced: int = 16, law: str | LawBackend | None = None):
+                 max_k: int = 64, free_forced: int = 16, law: str | LawBackend | None = None, fit=None):
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
         if k < 0 or k > max_k:
@@ -133,6 +135,7 @@ class SpeculativeLoop:
             stop_token_ids = constraint.tokenizer.stop_token_ids if constraint is not None else ()
         self.stop_token_ids = frozenset(stop_token_ids)
         self.tilt_fn = tilt_fn
+        self.fit = fit  # budget.Budget: the budget-feasibility cut of each row (and the check of what commits)
         # where the law and the verifier run: the fast backend for the target's tensors unless named
         self.law = laws.for_runner(target) if law is None else (laws.get(law) if isinstance(law, str) else law)
         self.width = target.vocab_size
@@ -154,7 +157,8 @@ class SpeculativeLoop:
         budget = min(self.k, remaining - 1)
         free = max(0, min(self.free_forced, remaining - 1 - budget))
         block = DraftBlock([*self.prompt, *self.emitted], self.matcher, self.width, max(budget, 0),
-                           self.stop_token_ids, self.tilt_fn, prompt_len=len(self.prompt), free=free, law=self.law)
+                           self.stop_token_ids, self.tilt_fn, prompt_len=len(self.prompt), free=free, law=self.law,
+                           fit=self.fit)
         if budget > 0:
             fill(block, self.drafter)
         block.finish()
@@ -167,7 +171,15 @@ class SpeculativeLoop:
         n = len(block.tokens)
         u = self.rng.random(n) if n else np.zeros(0)  # the uniforms every law backend verifies with
         verdict = self.law.verify(logits, block, self.params, u, self.rng.random())
-        a = verdict.accepted
+        a, token = verdict.accepted, verdict.token
+        drafts = block.tokens
+        # the round ends on an accepted stop token (or a complete grammar): then the bonus token is not used
+        bonus = not (a and drafts[a - 1] in self.stop_token_ids) and not (
+            a == n and self.matcher is not None and self.matcher.is_terminated())
+        if self.fit is not None and self.fit.settles:
+            a2, token = self._settle(block, logits, a, token, bonus)
+            bonus = bonus or a2 < a
+            a = a2
         self.stats.rounds += 1
         self.stats._count(block, a)
         self.stats.mask_us += block.mask_ns / 1e3
@@ -181,19 +193,20 @@ class SpeculativeLoop:
             self.matcher.rollback(min(block.matched, n) - min(a, block.matched))
         if n - a:
             self.target.trim(n - a)
-        new = list(block.tokens[:a])
-        last_is_stop = bool(new) and new[-1] in self.stop_token_ids
-        if not last_is_stop and not (a == n and self.matcher is not None and self.matcher.is_terminated()):
-            new.append(verdict.token)
+        new = list(drafts[:a])
+        if bonus:
+            new.append(token)
             if self.matcher is not None:
                 t0 = time.perf_counter_ns()
-                if not self.matcher.accept(verdict.token):  # the law only puts mass on allowed tokens
-                    raise RuntimeError(f"internal error: verified token {verdict.token} rejected by the matcher")
+                if not self.matcher.accept(token):  # the law only puts mass on allowed tokens
+                    raise RuntimeError(f"internal error: verified token {token} rejected by the matcher")
                 self.stats.mask_us += (time.perf_counter_ns() - t0) / 1e3
         else:
             # the block ended with a stop token (or a complete grammar) that was accepted: the bonus is not used;
             # the target pass fed it, so drop it from the cache (it was the pending token's successor)
             pass
+        if self.fit is not None and not self.fit.settles:
+            self.fit.shaped += sum(block.fit_cut[: len(new)])
         self.emitted.extend(new)
         finish = None
         if new and new[-1] in self.stop_token_ids:
@@ -206,6 +219,27 @@ class SpeculativeLoop:
         self.stats.host_ns["round"] = self.stats.host_ns.get("round", 0) + (time.perf_counter_ns() - t1) + (
             t_fwd - block.t_start)
         return Commit(tuple(new), finish)
+
+    def _settle(self, block: DraftBlock, logits, a: int, token: int, bonus: bool) -> tuple[int, int]:
+        """A budget checked at commit (``budget.CertifiedBudget``): the committed tokens are checked in order; at
+        the first that does not fit, that position is drawn again from the target's own row without it (in the
+        law's order of preference: ``Budget.draw``), and the round ends there.  Returns (accepted, token)."""
+        drafts = block.tokens
+        for i in range(a + (1 if bonus else 0)):
+            t = drafts[i] if i < a else token
+            h = [*self.emitted[:], *drafts[:i]]
+            if self.fit.feasible(h, t):
+                continue
+            z = _host_row(logits[i])
+            tilt = block.tilts[i] if block.tilts else None
+
+            def sample(row, z=z, tilt=tilt):
+                return sample_u(log_law(z, row, self.params, tilt), self.rng.random())
+
+            t2 = self.fit.draw(h, block.masks[i], sample, first=t)
+            self.fit.shaped += 1
+            return i, t2
+        return a, token
 
     # -------------------------------------------------------------------------------------------- API
     def run(self) -> Iterator[Commit]:
@@ -226,6 +260,8 @@ class SpeculativeLoop:
             self.stats.wall_s = time.perf_counter() - t0
             if hasattr(self.tilt_fn, "report"):
                 self.stats.cost = self.tilt_fn.report(self.emitted)
+            if self.fit is not None:
+                self.stats.budget = self.fit.report()
 
     def generate(self) -> list[int]:
         for _ in self.run():
@@ -236,6 +272,14 @@ class SpeculativeLoop:
         """Feed the pending (last emitted) token so the target cache holds exactly prompt + emitted."""
         if self.emitted and len(self.target.tokens) == len(self.prompt) + len(self.emitted) - 1:
             self.target.forward([self.emitted[-1]], logits_for=0)
+
+
+def _host_row(x) -> np.ndarray:
+    """A logits row as float64 numpy (mlx / torch tensors copied to the host: only for a budget re-draw)."""
+    try:
+        return np.asarray(x, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError, RuntimeError):
+        return np.asarray(x.tolist(), dtype=np.float64).reshape(-1)
 
 
 def generate(target: ModelRunner, prompt: Sequence[int], **kw) -> tuple[list[int], Stats]:

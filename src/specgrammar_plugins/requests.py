@@ -9,7 +9,8 @@ Accepted spellings (OpenAI / vLLM / llama-cpp-python / ours):
 - ``structured_outputs`` as vLLM spells it: ``{"json": schema, "regex": ..., "choice": [...], "grammar": ...,
   "json_object": true}``.
 - ``specgrammar``: options ``{"k": 4, "drafters": ["forced", "recipe", "model"], "engine": "xgrammar",
-  "recipe": "path-or-name", "trigger": "</think>", "budget": ..., "lambda": ..., "adaptive": false}``.
+  "recipe": "path-or-name", "trigger": "</think>", "budget": ..., "lambda": ..., "adaptive": false,
+  "budget_mask": true}``.
 
 At most one constraint may be given; anything malformed raises ``ConstraintError`` (servers answer 400).
 Parsers are registered through the ``register_request_parsers`` hook; the built-in one is ``parse_openai``.
@@ -40,6 +41,7 @@ class SpecOptions:
     lam: float | None = None
     adaptive: bool = False
     extra: dict = field(default_factory=dict)
+    budget_mask: bool | None = None  # None: on for constrained requests (speculation.budget_of); False: off
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -51,7 +53,7 @@ def parse_options(obj: Any) -> SpecOptions:
     if obj is None:
         return SpecOptions()
     _need(isinstance(obj, dict), "'specgrammar' must be an object")
-    known = {"k", "drafters", "engine", "recipe", "trigger", "budget", "lambda", "adaptive"}
+    known = {"k", "drafters", "engine", "recipe", "trigger", "budget", "lambda", "adaptive", "budget_mask"}
     k = obj.get("k")
     if k is not None:
         _need(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_K,
@@ -69,9 +71,11 @@ def parse_options(obj: Any) -> SpecOptions:
     _need(lam is None or (isinstance(lam, (int, float)) and lam >= 0), "specgrammar.lambda must be a number >= 0")
     adaptive = obj.get("adaptive", False)
     _need(isinstance(adaptive, bool), "specgrammar.adaptive must be true or false")
+    budget_mask = obj.get("budget_mask")
+    _need(budget_mask is None or isinstance(budget_mask, bool), "specgrammar.budget_mask must be true or false")
     return SpecOptions(k, tuple(drafters), engine, obj.get("recipe"), obj.get("trigger"), budget,
                        None if lam is None else float(lam), adaptive,
-                       {k_: v for k_, v in obj.items() if k_ not in known})
+                       {k_: v for k_, v in obj.items() if k_ not in known}, budget_mask)
 
 
 def _schema_spec(schema: Any, where: str) -> ConstraintSpec:

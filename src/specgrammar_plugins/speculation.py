@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from .block import Drafter, ModelRunner
+from .budget import Budget, make_budget
 from .constraint import CompiledConstraint
 from .cost import make_tilt
 from .distributions import SamplingParams
@@ -26,6 +27,26 @@ from .loop import SpeculativeLoop
 from .requests import DEFAULT_DRAFTERS, SpecOptions
 
 DEFAULT_K = 4
+UNLIMITED = 1 << 20  # a max_tokens this large is "no limit" (mlx-lm's -1): nothing to fit the output into
+
+
+def budget_of(options: SpecOptions, max_tokens: int | None) -> int | None:
+    """The budget an output must end within: ``specgrammar.budget`` when smaller than ``max_tokens``, else
+    ``max_tokens``; None when the request turned the budget mask off (``budget_mask: false``) or has no limit."""
+    if options.budget_mask is False:
+        return None
+    b = max_tokens if max_tokens is not None and max_tokens < UNLIMITED else None
+    if options.budget is not None:
+        b = options.budget if b is None else min(b, options.budget)
+    return b
+
+
+def check_budget(constraint: CompiledConstraint | None, options: SpecOptions, max_tokens: int | None,
+                 **kw) -> Budget | None:
+    """The request's budget feasibility (``budget.make_budget``: on by default for constrained requests): raises
+    ``BudgetError`` (a ``ConstraintError``: HTTP 400) when the constraint's shortest completion does not fit.
+    Hosts call it where they validate a request, so that the refusal comes before any decoding."""
+    return make_budget(constraint, budget_of(options, max_tokens), **kw)
 
 
 def with_defaults(options: SpecOptions | None, *, k: int | None = None, drafters: Sequence[str] | None = None,
@@ -60,7 +81,9 @@ def make_loop(target: ModelRunner, prompt: Sequence[int], options: SpecOptions, 
               law=None) -> SpeculativeLoop:
     """One request's ``SpeculativeLoop``: the drafter chain of ``make_drafter`` (``options.k`` drafts per round,
     default ``DEFAULT_K``), and the opt-in cost-aware law (``options.lam`` / ``adaptive`` / ``budget``: the output
-    law is then the tilted q_lambda, still sampled exactly).  ``tokenizer`` defaults to the constraint's.  ``law``:
+    law is then the tilted q_lambda, still sampled exactly), and the budget feasibility of ``check_budget`` (on by
+    default for constrained requests: a token is allowed only if the constraint can still end within the budget
+    after it; ``options.budget_mask = False`` turns it off).  ``tokenizer`` defaults to the constraint's.  ``law``:
     the law backend (a name or a ``laws.LawBackend``; default: the fast one for the target's tensors)."""
     rng = rng if rng is not None else np.random.default_rng()
     k = options.k if options.k is not None else DEFAULT_K
@@ -73,4 +96,4 @@ def make_loop(target: ModelRunner, prompt: Sequence[int], options: SpecOptions, 
                      max_tokens=max_tokens)
     return SpeculativeLoop(target, prompt, constraint=constraint, drafter=drafter, k=k if drafter is not None else 0,
                            params=params, max_tokens=max_tokens, rng=rng, stop_token_ids=stop_token_ids,
-                           tilt_fn=tilt, law=law)
+                           tilt_fn=tilt, law=law, fit=check_budget(constraint, options, max_tokens))

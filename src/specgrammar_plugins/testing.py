@@ -62,8 +62,9 @@ class MarkovRunner:
 
 
 def plain_decode(runner: MarkovRunner, prompt: Sequence[int], matcher, params, max_tokens: int, rng,
-                 stop_token_ids: Sequence[int] = (), tilt_fn=None) -> list[int]:
-    """Reference: non-speculative constrained decoding, one fresh forward per token, no cache reuse."""
+                 stop_token_ids: Sequence[int] = (), tilt_fn=None, budget=None) -> list[int]:
+    """Reference: non-speculative constrained decoding, one fresh forward per token, no cache reuse.  ``budget``
+    (``budget.Budget``): its cut of each row, and for a budget checked at commit, ``Budget.draw``."""
     from .masks import new_mask
     from .distributions import log_law, sample
 
@@ -78,8 +79,12 @@ def plain_decode(runner: MarkovRunner, prompt: Sequence[int], matcher, params, m
         if matcher is not None:
             matcher.fill_mask(row)
             mask = row
+        if budget is not None and mask is not None:
+            budget.restrict(mask, out)
         tilt = tilt_fn(out, matcher) if tilt_fn is not None else None
         t = sample(log_law(logits, mask, params, tilt), rng)
+        if budget is not None and budget.settles:
+            t = budget.draw(out, mask, lambda row: sample(log_law(logits, row, params, tilt), rng), first=t)
         out.append(t)
         seq.append(t)
         if matcher is not None:
@@ -89,10 +94,13 @@ def plain_decode(runner: MarkovRunner, prompt: Sequence[int], matcher, params, m
     return out
 
 
-def exact_law(runner, prompt: Sequence[int], compiled, params, max_tokens: int, tilt_fn=None) -> dict:
+def exact_law(runner, prompt: Sequence[int], compiled, params, max_tokens: int, tilt_fn=None,
+              budget=None) -> dict:
     """Every output of plain constrained sampling (one fresh forward per token, no speculation) with its exact
     probability: {output token tuple (stop token included when generated): probability}.  ``tilt_fn(generated,
-    matcher)`` gives the cost tilt, as in the loop.  Only for small vocabularies and short outputs."""
+    matcher)`` gives the cost tilt, as in the loop.  ``budget`` (``budget.Budget``): the law under the grammar row
+    cut to the tokens that still fit (for a budget checked at commit: every token with mass checked with
+    ``Budget.feasible``).  Only for small vocabularies and short outputs."""
     from .masks import new_mask
     from .distributions import log_law
 
@@ -106,7 +114,17 @@ def exact_law(runner, prompt: Sequence[int], compiled, params, max_tokens: int, 
         runner.trim(len(runner.tokens))
         logits = runner.forward(list(prompt) + gen, logits_for=1)[-1]
         m.fill_mask(row)
-        p = np.exp(log_law(logits, row, params, None if tilt_fn is None else tilt_fn(gen, m)))
+        tilt = None if tilt_fn is None else tilt_fn(gen, m)
+        if budget is not None:
+            budget.restrict(row, gen)
+        p = np.exp(log_law(logits, row, params, tilt))
+        if budget is not None and budget.settles:
+            from .masks import clear_bit
+
+            for t in np.flatnonzero(p > 0):
+                if not budget.feasible(gen, int(t)):
+                    clear_bit(row, int(t))
+            p = np.exp(log_law(logits, row, params, tilt))
         for t in np.flatnonzero(p > 0):
             m2 = m.fork()
             assert m2.accept(int(t))

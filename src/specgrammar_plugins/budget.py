@@ -1,0 +1,468 @@
+"""Budget feasibility: with a budget B (``max_tokens``, or ``specgrammar.budget`` when smaller), a token is allowed
+at a position only if some completion of the constraint still fits in the tokens left after it.
+
+    r = B - |h|                  tokens left at the position after the generated prefix h (the stop token counts)
+    a allowed  <=>  the grammar allows a  and  U(h.a) <= r - 1
+    U(x) = tokens still needed after x to end (stop token included; 0 once ended)
+
+Then an output ends complete (and valid) within B whenever U(empty) <= B, and a request with U(empty) > B is
+refused up front (``BudgetError``, naming the length).  ``make_budget`` picks one of two bounds per request:
+
+- **exact** (``ExactBudget``): where the constraint's language is the regular language the project has the DFA of
+  (regex and choice on every engine; a GBNF grammar without recursion, rules inlined; a JSON Schema without
+  recursion on the outlines-core engine, whose language is that same regex), U = J, the fewest tokens to the end
+  from ``cost.RegularCost`` (exact over ways through whole characters: every way for ASCII; partial UTF-8 states
+  are expanded on demand, else counted as unreachable, which only ever forbids more).  The restriction is part of
+  the position's mask row (``DraftBlock.mask``: filled once, then cut): the forced drafter, the draft laws and the
+  target law all read the same combined row, so speculation stays exact, and the output law is the target's
+  per-step law under the grammar-and-budget mask for every sampling option.  It binds only where the budget is
+  tight: per DFA state the largest one-token step is known, and the row is cut only when r falls below it.
+- **certified** (``CertifiedBudget``): every other constraint (JSON Schema on xgrammar / llguidance, recursive
+  grammars, any-JSON).  U(x) is the length of a *certificate*: a completion that a fork of the request's own
+  matcher accepts through the stop token, so it never claims room that is not there.  Certificates come from (in
+  this order) the parent's certificate when x follows it (free), the parent's certificate text when the token
+  spells a prefix of it, the parent's whole certificate after the token (tokens that leave the structure as it
+  was: string content, digits), and a greedy walk on the engine's own masks (jump-forward bytes, closers first,
+  the schema's property names at a key, single bytes otherwise: for a byte-level vocabulary a completion of n
+  bytes is at most n tokens; the walk's text is then re-spelled with longer tokens and certified again).  Checking
+  every token this way at every position would cost a certificate per vocabulary entry, so the check runs on
+  candidates in the model's order of preference instead (``draw``): the law picks a token from the grammar row; if
+  it does not fit it is struck from the row and the law picks again, with a fresh uniform (the loop does this
+  after verification, ``SpeculativeLoop._settle``).  Greedy: the first feasible token in argmax order.  Without
+  top-k / top-p / min-p this is exactly the law under the mask row AND {feasible}: striking a token and drawing
+  again from the renormalized law is sampling without replacement, and the first feasible token so drawn has
+  probability w(a) / sum of w over the feasible tokens (Luce's choice axiom).  With those filters the filters are
+  re-applied to the struck row, which may differ from filtering the feasible row.  Consistency: the certificate's
+  own next token always fits, so a request that starts feasible stays feasible.
+
+Both bounds are deterministic functions of the prefix (and B), so speculative and plain decoding see the same
+combined law: greedy outputs are identical token for token.  A deferred trigger (free text before the grammar) is
+not budgeted (``make_budget`` returns None).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .constraint import CompiledConstraint
+from .cost import RegularCost, _Scan, regular_form
+from .errors import BudgetError
+from .history import HistoryMatcher
+from .masks import clear_bit, mask_allows, mask_words, pack_mask
+
+INF = float("inf")
+
+
+class Budget:
+    """What the block and the loop ask of a budget (both bounds implement it).
+
+    ``restrict(row, generated)`` cuts the packed grammar row of the position after ``generated`` in place and
+    says whether it removed a token; ``settles``: whether committed tokens must be checked with ``feasible`` /
+    ``draw`` (the certified bound); ``shortest``: U(empty).  The tokens left at a position are
+    ``r = budget - len(generated)``."""
+
+    mode = "off"
+    settles = False
+
+    def __init__(self, budget: int):
+        self.budget = int(budget)
+        self.shortest: float = INF
+        self.cut_rows = 0  # rows the budget cut (exact) or positions whose first choice did not fit (certified)
+        self.struck = 0  # candidates struck from a row by ``draw`` (certified)
+        self.shaped = 0  # committed positions whose choice the budget restricted
+        self.ns = 0
+
+    def restrict(self, row: np.ndarray, generated: Sequence[int]) -> bool:
+        return False
+
+    def feasible(self, generated: Sequence[int], token: int) -> bool:
+        raise NotImplementedError
+
+    def draw(self, generated: Sequence[int], row: np.ndarray, sample: Callable[[np.ndarray], int],
+             first: int | None = None) -> int:
+        """A token from the law restricted to the feasible tokens: ``sample(row)`` draws from the law under a
+        packed row (a fresh uniform per call); a token that does not fit is cleared from (a copy of) the row and
+        the law draws again.  ``first``: a token already drawn from ``row`` (the verifier's)."""
+        t = sample(row) if first is None else int(first)
+        if self.feasible(generated, t):
+            return t
+        row = np.array(row, copy=True)
+        self.cut_rows += 1
+        while True:
+            clear_bit(row, t)
+            self.struck += 1
+            if not row.any():  # cannot happen while the request is feasible (the certificate's token fits)
+                raise RuntimeError("internal error: the budget struck every token the grammar allows")
+            t = sample(row)
+            if self.feasible(generated, t):
+                return t
+
+    def report(self) -> dict:
+        return {"mode": self.mode, "budget": self.budget,
+                "shortest": None if self.shortest == INF else int(self.shortest),
+                "cut_rows": self.cut_rows, "struck": self.struck, "shaped_positions": self.shaped,
+                "shaped": self.shaped > 0, "us": round(self.ns / 1e3, 1)}
+
+
+# ------------------------------------------------------------------------------------------- exact
+def exact_pattern(compiled: CompiledConstraint) -> str | None:
+    """The regex whose language *is* the compiled constraint's (so J from its DFA is exact), or None: regex and
+    choice; GBNF without recursion (``gbnf.to_regex`` inlines its rules); a JSON Schema on the outlines-core
+    engine, which compiles exactly ``regular_form``'s regex."""
+    spec = compiled.spec
+    pattern = spec.as_regex()
+    if pattern is not None:
+        return pattern
+    if spec.kind == "grammar" and spec.syntax == "gbnf":
+        return regular_form(spec)
+    if spec.kind == "json_schema" and compiled.engine == "outlines_core":
+        pattern = regular_form(spec)
+        if pattern is not None and pattern == getattr(compiled.compiled, "regex", None):
+            return pattern
+    return None
+
+
+class ExactBudget(Budget):
+    """U = J from the constraint's DFA (``cost.RegularCost``): the cut is part of the mask row."""
+
+    mode = "exact"
+
+    def __init__(self, compiled: CompiledConstraint, budget: int, pattern: str):
+        super().__init__(budget)
+        self.cost = RegularCost(compiled.spec, compiled.tokenizer, pattern=pattern)
+        self.width = compiled.tokenizer.vocab_size
+        self.shortest = self.cost.cost_to_go([])
+        self._rows: dict[tuple, np.ndarray] = {}  # (state, k) -> packed row of the tokens with Delta <= k
+        self._dmax: dict[tuple, float] = {}  # state -> the largest finite Delta of a token the DFA allows there
+
+    def _k(self, generated: Sequence[int]):
+        """(state, k): a token fits iff Delta <= k = r - J (Delta = J(next) - J + 1: J(next) <= r - 1)."""
+        st = self.cost._state(generated)
+        if st is None or st == ("<end>",):
+            return None, 0
+        return st, self.budget - len(generated) - self.cost._j(st)
+
+    def restrict(self, row: np.ndarray, generated: Sequence[int]) -> bool:
+        t0 = time.perf_counter_ns()
+        try:
+            st, k = self._k(generated)
+            if st is None:
+                return False
+            dmax = self._dmax.get(st)
+            if dmax is None:
+                d = self.cost.delta(generated)
+                allowed = d[d != 1e9]  # 1e9: the DFA forbids it; inf: allowed, no end found (never fits)
+                dmax = self._dmax[st] = float(allowed.max()) if len(allowed) else 0.0
+            if dmax <= k:  # every token the DFA allows here still fits: the budget does not bind
+                return False
+            key = (st, int(k))
+            fits = self._rows.get(key)
+            if fits is None:
+                d = self.cost.delta(generated)
+                fits = pack_mask(np.asarray(d <= k)[: self.width])
+                if len(self._rows) > 4096:
+                    self._rows.clear()
+                self._rows[key] = fits
+            n = min(len(row), len(fits))
+            cut = bool(np.any(row[:n] & ~fits[:n]))
+            if cut:
+                np.bitwise_and(row[:n], fits[:n], out=row[:n])
+                self.cut_rows += 1
+            return cut
+        finally:
+            self.ns += time.perf_counter_ns() - t0
+
+    def feasible(self, generated: Sequence[int], token: int) -> bool:
+        st, k = self._k(generated)
+        if st is None:
+            return True
+        return bool(self.cost.delta(generated)[token] <= k)
+
+
+# ------------------------------------------------------------------------------------------- certified
+_PRIORITY = b'}]0",:[{ntf-123456789abcdefghijklmopqrsuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ._+eE/@#$%&*=!?;<>()|~^`\'\\'
+_WHITESPACE = b" \t\n\r"
+
+
+def schema_names(schema) -> list[str]:
+    """Property names a JSON Schema mentions: those some ``required`` list names first, then the others (a walk
+    at an object key tries them before an empty key, so that an object with a required key and additional
+    properties allowed is closed by naming the key, not by adding empty ones forever)."""
+    required: dict[str, None] = {}
+    other: dict[str, None] = {}
+
+    def visit(node, depth=0):
+        if depth > 64:
+            return
+        if isinstance(node, dict):
+            req = node.get("required")
+            if isinstance(req, list):
+                required.update((k, None) for k in req if isinstance(k, str))
+            props = node.get("properties")
+            if isinstance(props, dict):
+                other.update((k, None) for k in props if isinstance(k, str))
+            for v in node.values():
+                visit(v, depth + 1)
+        elif isinstance(node, list):
+            for v in node:
+                visit(v, depth + 1)
+
+    visit(schema)
+    return list(required) + [k for k in other if k not in required]
+
+
+class CertifiedBudget(Budget):
+    """U = the length of a completion certified by the request's own engine (see the module docstring)."""
+
+    mode = "certified"
+    settles = True
+    MAX_NAMES = 64
+    MAX_WALK = 4096  # steps of the start's walk
+
+    def __init__(self, compiled: CompiledConstraint, budget: int):
+        super().__init__(budget)
+        from .engines._common import GreedyBytes
+
+        tok = compiled.tokenizer
+        self.tok = tok
+        self.stop = tok.eos_token_id
+        self.stops = frozenset(tok.stop_token_ids)
+        self.hm = HistoryMatcher(compiled)
+        self.spell = GreedyBytes(tok)
+        self._row = np.zeros(mask_words(tok.vocab_size), dtype=np.int32)
+        # single-byte tokens in the walk's order of preference
+        single = {b[0]: i for i, b in enumerate(tok.token_bytes)
+                  if len(b) == 1 and i not in tok.special_ids and i not in self.stops}
+        order = list(_PRIORITY) + [b for b in range(256) if b not in _PRIORITY and b not in _WHITESPACE]
+        self.prefer = [single[b] for b in order if b in single]
+        self.prefer_in_string = [single[b] for b in [0x22, *[b for b in order if b != 0x22]] if b in single]
+        self.blanks = [single[b] for b in _WHITESPACE if b in single]
+        names = schema_names(compiled.spec.schema) if compiled.spec.kind == "json_schema" else []
+        self.names = [n.encode("utf-8") + b'"' for n in names[: self.MAX_NAMES]]
+        self.walks = 0
+        # the committed path's certificates: _certs[i] certifies _path[:i]; _scans[i] scans its text
+        self._path: list[int] = []
+        self.hm.sync([])
+        # the start's certificate, however long (so that a refusal can name its length)
+        start = self._walk(self.hm.matcher, _Scan(), min(8 * self.budget + 64, self.MAX_WALK), 1 << 30)
+        self._certs: list[tuple | None] = [start]
+        self._scans: list[_Scan] = [_Scan()]
+        self.shortest = len(start) if start is not None else INF
+        self.lost = start is None  # nothing certified: no guarantee (the loop runs as without a budget)
+
+    # ---------------------------------------------------------------- certificates
+    def _certify(self, m, ids: Sequence[int]) -> bool:
+        f = m.fork()
+        for t in ids:
+            if not f.accept(int(t)):
+                return False
+        return f.is_terminated()
+
+    def _spelled(self, text: bytes, limit: int, m) -> tuple | None:
+        """``text`` + the stop token, spelled with the vocabulary's longest tokens, if that fits in ``limit``
+        and ``m`` accepts it to the end."""
+        spellings = []
+        for ids in (self._encode(text), self.spell(text) if text else []):
+            if ids is not None and len(ids) + 1 <= limit and ids not in spellings:
+                spellings.append(ids)
+        for ids in sorted(spellings, key=len):
+            ids = (*ids, self.stop)
+            if self._certify(m, ids):
+                return ids
+        return None
+
+    def _encode(self, text: bytes) -> list[int] | None:
+        """The tokenizer's own spelling of ``text`` (None when it has none, or it does not give ``text`` back)."""
+        if not text or self.tok.encode is None:
+            return [] if not text else None
+        try:
+            ids = list(self.tok.encode(text.decode("utf-8")))
+        except Exception:
+            return None
+        return ids if self.tok.decode(ids) == text else None
+
+    def _text(self, cert: Sequence[int]) -> bytes:
+        return self.tok.decode([t for t in cert if t not in self.stops])
+
+    def _walk(self, m, scan: _Scan, steps: int, limit: int) -> tuple | None:
+        """A completion from ``m``'s state by a greedy walk on the engine's masks (at most ``steps`` tokens),
+        re-spelled with longer tokens; returned if it fits in ``limit`` tokens (certified), else None."""
+        self.walks += 1
+        f = m.fork()
+        scan = scan.copy()
+        row = self._row
+        out: list[int] = []
+        tb = self.tok.token_bytes
+        while len(out) < steps:
+            f.fill_mask(row)
+            if any(mask_allows(row, s) for s in self.stops if s < self.tok.vocab_size):
+                text = self.tok.decode(out)
+                best = self._spelled(text, limit, m)  # the same text in fewer tokens
+                if best is None and len(out) + 1 <= limit:
+                    best = tuple(out) + (self.stop,)
+                return best
+            jf = f.jump_forward()
+            took = 0
+            if jf:
+                for t in self.spell(jf) or ():
+                    if not f.accept(t):
+                        break
+                    out.append(t)
+                    scan.feed(tb[t])
+                    took += 1
+                if took:
+                    continue
+            ids = self._choose(f, row, scan)
+            if not ids:
+                return None
+            for t in ids:
+                if not f.accept(t):
+                    return None
+                out.append(t)
+                scan.feed(tb[t])
+        return None
+
+    def _choose(self, f, row: np.ndarray, scan: _Scan) -> list[int] | None:
+        """The walk's next token(s): a property name the schema mentions at an object key (not yet in this
+        object; spelled with its closing quote), else the first allowed single-byte token in the order of
+        preference (inside a string the closing quote, outside the closers, then the shortest values), else
+        any allowed token (lowest id, whitespace last)."""
+        if self.names and scan.in_str and scan.key_buf is not None and not scan.key_buf:
+            seen = scan.stack[-1][1] if scan.stack and scan.stack[-1][1] is not None else set()
+            for name in self.names:
+                if name[:-1].decode("utf-8", "replace") in seen:
+                    continue
+                ids = self.spell(name)
+                if ids and mask_allows(row, ids[0]):
+                    g = f.fork()
+                    if all(g.accept(t) for t in ids):
+                        return ids
+        for t in (self.prefer_in_string if scan.in_str else self.prefer):
+            if mask_allows(row, t):
+                return [t]
+        for w in np.flatnonzero(row).tolist():
+            word = int(row.view(np.uint32)[w])
+            for b in range(32):
+                i = w * 32 + b
+                if word >> b & 1 and i not in self.stops and i not in self.blanks:
+                    return [i]
+        for t in self.blanks:
+            if mask_allows(row, t):
+                return [t]
+        return None
+
+    def _next(self, parent: tuple | None, h: Sequence[int], t: int, r: int) -> tuple | None:
+        """The certificate of h.t (at most r - 1 tokens) from the parent's ``parent``, or None when none fits."""
+        limit = r - 1
+        if t in self.stops:
+            return () if limit >= 0 else None
+        if parent and parent[0] == t:  # the token follows the certificate
+            return parent[1:] if len(parent) - 1 <= limit else None
+        if limit < 1 or not self.hm.sync([*h, t]):
+            return None
+        m = self.hm.matcher
+        if parent:
+            text, tb = self._text(parent), self.tok.token_bytes[t]
+            if tb and text.startswith(tb):  # the token spells a prefix of the certificate's text
+                c = self._spelled(text[len(tb):], limit, m)
+                if c is not None:
+                    return c
+            if len(parent) <= limit and self._certify(m, parent):  # the same completion still ends it
+                return parent
+            if len(parent) > limit:  # no slack: only the certificate's own way fits (never a longer walk)
+                return None
+        scan = self._scans[len(h)].copy() if len(self._scans) > len(h) else self._scan_of([*h])
+        scan.feed(self.tok.token_bytes[t])
+        return self._walk(m, scan, 2 * limit + 8, limit)
+
+    def _scan_of(self, ids: Sequence[int]) -> _Scan:
+        s = _Scan()
+        s.feed(self.tok.decode(ids))
+        return s
+
+    def _sync(self, generated: Sequence[int]) -> tuple | None:
+        """The certificate of ``generated`` (computed along it, from the longest prefix known)."""
+        path = self._path
+        n = 0
+        lim = min(len(path), len(generated))
+        while n < lim and path[n] == generated[n]:
+            n += 1
+        del path[n:]
+        del self._certs[n + 1:]
+        del self._scans[n + 1:]
+        for t in generated[n:]:
+            parent = self._certs[-1]
+            c = None if parent is None else self._next(parent, path, int(t), self.budget - len(path))
+            s = self._scans[-1].copy()
+            s.feed(self.tok.token_bytes[int(t)] if 0 <= int(t) < len(self.tok.token_bytes) else b"")
+            path.append(int(t))
+            self._certs.append(c)
+            self._scans.append(s)
+        return self._certs[-1]
+
+    def feasible(self, generated: Sequence[int], token: int) -> bool:
+        if self.lost:
+            return True
+        t0 = time.perf_counter_ns()
+        try:
+            parent = self._sync(generated)
+            if parent is None:  # a prefix that did not fit (committed without the budget): no guarantee left
+                return True
+            c = self._next(parent, generated, int(token), self.budget - len(generated))
+            if c is None:
+                return False
+            s = self._scans[-1].copy()
+            s.feed(self.tok.token_bytes[int(token)] if 0 <= int(token) < len(self.tok.token_bytes) else b"")
+            self._path.append(int(token))  # the next position starts from here (the caller commits it)
+            self._certs.append(c)
+            self._scans.append(s)
+            return True
+        finally:
+            self.ns += time.perf_counter_ns() - t0
+
+    def report(self) -> dict:
+        return {**super().report(), "walks": self.walks, "certified": not self.lost}
+
+
+# ------------------------------------------------------------------------------------------- the road
+def make_budget(compiled: CompiledConstraint | None, budget: int | None, *, exact_only: bool = False
+                ) -> Budget | None:
+    """The budget of one request, or None (no constraint, no budget, or a deferred trigger).  Raises
+    ``BudgetError`` when the constraint's shortest completion does not fit in ``budget`` (exact), or no completion
+    of at most ``budget`` tokens can be certified (certified).  ``exact_only``: None unless the bound is exact
+    (for hosts that can only apply a mask row, not re-draw)."""
+    if compiled is None or budget is None or compiled.spec.trigger is not None:
+        return None
+    spec = compiled.spec
+    guard: Budget | None = None
+    pattern = exact_pattern(compiled)
+    if pattern is not None:
+        try:
+            guard = ExactBudget(compiled, budget, pattern)
+        except Exception:  # interegular cannot read it, or too many token-level states: certify instead
+            guard = None
+    if guard is None and exact_only:
+        return None
+    if guard is None:
+        guard = CertifiedBudget(compiled, budget)
+    if guard.shortest > guard.budget:
+        if guard.shortest == INF:
+            if guard.mode == "certified":
+                raise BudgetError(f"no completion of at most {budget} tokens could be certified for this constraint "
+                                  "(raise max_tokens, or send \"specgrammar\": {\"budget_mask\": false})",
+                                  shortest=None, budget=budget, engine=compiled.engine, kind=spec.kind)
+            raise BudgetError("the constraint has no completion", shortest=None, budget=budget,
+                              engine=compiled.engine, kind=spec.kind)
+        n = int(guard.shortest)
+        what = "takes" if guard.mode == "exact" else "takes at most (a completion the engine certified)"
+        raise BudgetError(f"the shortest completion of this constraint {what} {n} tokens (stop token included) but "
+                          f"the budget is {budget} (max_tokens or specgrammar.budget): raise it to at least {n}, or "
+                          "send \"specgrammar\": {\"budget_mask\": false} to allow an output cut off at the limit",
+                          shortest=n, budget=budget, engine=compiled.engine, kind=spec.kind)
+    return guard
+
+
+__all__ = ["Budget", "CertifiedBudget", "ExactBudget", "exact_pattern", "make_budget", "schema_names"]
