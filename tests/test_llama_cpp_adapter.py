@@ -14,9 +14,10 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp")
 
 from specgrammar_plugins import ConstraintError, ConstraintSpec  # noqa: E402
+from specgrammar_plugins.errors import BudgetError  # noqa: E402
 from specgrammar_plugins.models import tiny_gguf  # noqa: E402
 from specgrammar_plugins.workloads import (  # noqa: E402
-    EMAIL_REGEX, WORKLOADS, chat_prompt, constraint, examples, is_valid)
+    EMAIL_REGEX, JSON_EXTRACTION_SCHEMA, WORKLOADS, chat_prompt, constraint, examples, is_valid)
 
 TARGET, DRAFT = tiny_gguf("target"), tiny_gguf("draft")
 pytestmark = pytest.mark.skipif(not (TARGET.exists() and DRAFT.exists()),
@@ -129,8 +130,13 @@ def test_completion_api_and_spellings(stock, ours):
     chunks = list(ours.create_completion(prompt, max_tokens=MAX_TOKENS, temperature=0, grammar=g, stream=True))
     assert "".join(c["choices"][0]["text"] for c in chunks) == want["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    # max_tokens stops the request where the host stops it
-    short = ours.create_completion(prompt, max_tokens=2, temperature=0, grammar=g)
+    # a max_tokens the grammar cannot end within is refused up front (budget feasibility, on by default), naming
+    # the shortest length; with the budget mask off the request stops where the host stops it
+    with pytest.raises(BudgetError, match="takes 3 tokens") as err:
+        ours.create_completion(prompt, max_tokens=2, temperature=0, grammar=g)
+    assert err.value.shortest == 3 and err.value.budget == 2
+    short = ours.create_completion(prompt, max_tokens=2, temperature=0, grammar=g,
+                                   specgrammar={"budget_mask": False})
     ref = stock.create_completion(prompt, max_tokens=2, temperature=0,
                                   grammar=llama_cpp.LlamaGrammar.from_string(g, verbose=False))
     assert short["choices"][0]["text"] == ref["choices"][0]["text"]
@@ -334,12 +340,52 @@ def test_cost_aware_options_finish_within_budget(ours):
     n_plain = plain["usage"]["completion_tokens"]
     budget = j0 + 1
     out = ours.create_completion(prompt, max_tokens=budget, temperature=0, regex=EMAIL_REGEX,
-                                 specgrammar={"adaptive": True})
+                                 specgrammar={"adaptive": True, "budget_mask": False})  # the tilt alone
     c = out["choices"][0]
     assert c["finish_reason"] == "stop" and is_valid("email", c["text"]), (c, j0)
     cost = ours.last_stats.cost
     assert cost and cost["adaptive"] and cost["budget"] == budget
-    if n_plain > budget:  # the untilted answer is longer than the budget: cut mid-answer without the tilt
+    if n_plain > budget:  # the untilted answer is longer than the budget: cut mid-answer without tilt or mask
         assert cost["lambda_max"] > 0
-        cut = ours.create_completion(prompt, max_tokens=budget, temperature=0, regex=EMAIL_REGEX)
+        cut = ours.create_completion(prompt, max_tokens=budget, temperature=0, regex=EMAIL_REGEX,
+                                     specgrammar={"budget_mask": False})
         assert cut["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_budget_mask_ends_within_max_tokens_and_says_so(ours, stream):
+    """On by default: with max_tokens below the model's own answer the output still ends complete and valid within
+    it (an exact bound for the regex, a certified one for the JSON Schema on llguidance), and the response says the
+    budget shaped it (``"specgrammar": {"budget": ...}``, on the final chunk when streaming)."""
+    import jsonschema
+
+    from specgrammar_plugins.compiler import compile_constraint
+    from specgrammar_plugins.cost import cost_model_for
+    from specgrammar_plugins.models import tiny_tokenizer_info
+
+    e = examples("email", "eval", 1)[0]
+    j0 = int(cost_model_for(compile_constraint(ConstraintSpec.regex(EMAIL_REGEX), tiny_tokenizer_info())).cost_to_go([]))
+    prompt = chat_prompt(e.prompt)
+    n_plain = ours.create_completion(prompt, max_tokens=64, temperature=0, regex=EMAIL_REGEX,
+                                     specgrammar={"budget_mask": False})["usage"]["completion_tokens"]
+    assert n_plain + 1 > j0 + 1  # the model's own answer does not fit in j0 + 1 tokens
+    cases = [({"regex": EMAIL_REGEX}, j0 + 1, lambda t: is_valid("email", t), "exact")]
+    from specgrammar_llama_cpp.runner import tokenizer_info
+    from specgrammar_plugins.budget import make_budget
+
+    x = examples("json_extraction", "eval", 1)[0]
+    schema = compile_constraint(ConstraintSpec.json_schema(JSON_EXTRACTION_SCHEMA), tokenizer_info(ours),
+                                engine="llguidance")
+    cases.append(({"response_format": {"type": "json_object", "schema": JSON_EXTRACTION_SCHEMA},
+                   "specgrammar": {"engine": "llguidance"}}, int(make_budget(schema, 256).shortest) + 2,
+                  lambda t: jsonschema.validate(json.loads(t), JSON_EXTRACTION_SCHEMA) is None, "certified"))
+    for fields, budget, valid, mode in cases:
+        p = prompt if mode == "exact" else chat_prompt(x.prompt)
+        out = ours.create_completion(p, max_tokens=budget, temperature=0, stream=stream, **fields)
+        chunks = list(out) if stream else [out]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        last = chunks[-1]
+        assert last["choices"][0]["finish_reason"] == "stop" and valid(text), (mode, text)
+        b = last["specgrammar"]["budget"]
+        assert b["mode"] == mode and b["budget"] == budget and b["shaped"], b
+        assert ours.last_stats.emitted <= budget

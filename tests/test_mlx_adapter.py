@@ -199,3 +199,66 @@ def test_blind_draft_is_still_exact_at_greedy(tiny):
     out, st = generate_tokens(model, tok, ids, max_tokens=MAX_TOKENS, draft_model=draft, num_draft_tokens=4,
                               constraint=ex.constraint, drafters=["model"], blind=True, temperature=0.0)
     assert out == ref
+
+
+# ------------------------------------------------------------------------------------------------ budget feasibility
+def test_budget_mask_ends_within_max_tokens_and_says_so(tiny):
+    """On by default in the twin: with max_tokens below the model's own answer the output ends complete and valid
+    within it (exact bound for the regex, certified for the JSON Schema on llguidance), greedy and sampled, and
+    the final response's stats say the budget shaped it; ``budget_mask=False`` gives the cut-off output back;
+    a max_tokens below the shortest completion is refused before decoding."""
+    import json
+
+    import jsonschema
+
+    from specgrammar_mlx_lm.generate import generate_tokens, stream_generate
+    from specgrammar_plugins.errors import BudgetError
+    from specgrammar_plugins.workloads import is_valid
+
+    model, draft, tok = tiny
+    for w, engine in (("email", None), ("json_extraction", "llguidance")):
+        ex = examples(w, "eval", 1)[0]
+        ids = prompt_ids(tok, ex.prompt)
+        kw = dict(draft_model=draft, num_draft_tokens=3, constraint=ex.constraint, engine=engine)
+        own, _ = generate_tokens(model, tok, ids, max_tokens=MAX_TOKENS, temperature=0.0, budget_mask=False, **kw)
+        budget = len(own) - 2  # below the model's own (greedy) answer
+        for temperature in (0.0, 0.7):
+            out, st = generate_tokens(model, tok, ids, max_tokens=budget, temperature=temperature, seed=3, **kw)
+            text = tok.decode([t for t in out if t not in tok.eos_token_ids])
+            ok = is_valid(w, text) if w == "email" else jsonschema.Draft202012Validator(
+                ex.constraint.schema).is_valid(json.loads(text))
+            assert st.finish_reason == "stop" and len(out) <= budget and ok, (w, temperature, text, st.budget)
+            assert st.budget["shaped"] and st.budget["mode"] == ("exact" if w == "email" else "certified")
+        _, st = generate_tokens(model, tok, ids, max_tokens=budget, temperature=0.0, budget_mask=False, **kw)
+        assert st.finish_reason == "length" and not st.budget
+        with pytest.raises(BudgetError) as e:
+            list(stream_generate(model, tok, ids, max_tokens=2, **kw))
+        shortest = e.value.shortest
+        assert shortest and shortest > 2
+        st_shortest = generate_tokens(model, tok, ids, max_tokens=shortest, temperature=0.0, **kw)[1]
+        assert st_shortest.finish_reason == "stop" and st_shortest.emitted <= shortest
+
+
+def test_processor_budget_is_the_exact_row_under_mlx_loops(tiny):
+    """mlx-lm's own loops with our processor and max_tokens: the exact budget bound is part of the processor's row
+    (a function of the history), so generate_step and mlx-lm's speculative loop agree and both end in time."""
+    from specgrammar_mlx_lm.processor import grammar_logits_processor
+    from specgrammar_plugins.workloads import is_valid
+
+    model, draft, tok = tiny
+    eos = set(tok.eos_token_ids)
+    ex = examples("email", "eval", 1)[0]
+    ids = prompt_ids(tok, ex.prompt)
+    own = plain_generate_step(model, ids, processor=_processor(ex.constraint, tok, model), max_tokens=MAX_TOKENS,
+                              eos_ids=eos)
+    budget = len(own) - 2
+
+    def proc():
+        return grammar_logits_processor(ex.constraint, tok, model, max_tokens=budget)
+
+    assert proc().mask.fit is not None and proc().mask.fit.mode == "exact"
+    ref = plain_generate_step(model, ids, processor=proc(), max_tokens=budget, eos_ids=eos)
+    assert ref[-1] in eos and len(ref) <= budget and is_valid("email", tok.decode(ref[:-1])), tok.decode(ref)
+    for k in (1, 3):
+        out, _ = mlx_speculative(model, draft, ids, processor=proc(), k=k, max_tokens=budget, eos_ids=eos)
+        assert out == ref, k

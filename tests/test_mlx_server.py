@@ -177,6 +177,27 @@ def test_invalid_constraint_is_a_400_and_the_server_keeps_serving(server, refere
     assert _call(server, user, {"extra_body": {"regex": constraint("year").value}}) == ref
 
 
+def test_budget_feasibility_over_http(server, references):
+    """On by default: a max_tokens the constraint cannot end within is a 400 naming the shortest length; a
+    max_tokens below the model's own answer still gives a complete, valid answer (the exact bound in the batching
+    path's processor row for a regex; a JSON Schema on xgrammar, whose bound is certified, is served by our loop);
+    ``budget_mask: false`` gives the cut-off answer back."""
+    with pytest.raises(openai.BadRequestError) as e:
+        _call(server, "Find the year: 1999", {"extra_body": {"regex": constraint("year").value}}, max_tokens=2)
+    assert e.value.status_code == 400 and re.search(r"shortest completion .* takes \d+ tokens", e.value.response.text)
+    for w, fields in (("email", {"extra_body": {"regex": constraint("email").value}}),
+                      ("json_extraction", {"extra_body": {"json_schema": JSON_EXTRACTION_SCHEMA}})):
+        (user, ref), = _refs(references, w, 1)
+        with pytest.raises(openai.BadRequestError) as e:
+            _call(server, user, fields, max_tokens=1)
+        n = int(re.search(r"takes (\d+) tokens", e.value.response.text).group(1)) + 1  # shortest + 1: below the answer
+        tight = _call(server, user, fields, max_tokens=n)
+        assert is_valid(w, tight) and tight != ref, (server.mode, w, tight)
+        off = dict(fields, extra_body={**fields["extra_body"], "specgrammar": {
+            **fields["extra_body"].get("specgrammar", {}), "budget_mask": False}})
+        assert not is_valid(w, _call(server, user, off, max_tokens=n)), (server.mode, w)
+
+
 def test_eight_concurrent_requests_all_valid(server, references):
     jobs = []
     for i in range(8):

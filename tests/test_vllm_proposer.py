@@ -261,3 +261,20 @@ def test_recipe_pack_per_request_stays_exact(engines):
     for a, b in zip(plain, spec):
         assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids)
     assert engines.proposer.sources.get("recipe", 0) > before.get("recipe", 0), "the pack drafted nothing"
+
+
+def test_a_budget_that_cuts_the_structure_off_is_reported(engines):
+    """The drafting side of budget feasibility: vLLM samples the target's tokens without a budget mask, so the
+    proposer counts (``budget_cut_off``) and logs each structured request whose constraint cannot end within its
+    max_tokens; one that can end is not counted."""
+    ex = W.examples("json_extraction", "eval", 1)[0]
+    prompt = W.chat_prompt(ex.prompt)
+    prop = engines.proposer
+    before = prop.counters["budget_cut_off"]
+    cut = engines.spec.generate([prompt], sampling_params(ex.constraint, temperature=0.0, max_tokens=3),
+                                use_tqdm=False)
+    assert prop.counters["budget_cut_off"] == before + 1 and cut[0].outputs[0].finish_reason == "length"
+    fits = engines.spec.generate([prompt], sampling_params(ex.constraint, temperature=0.0, max_tokens=MAX_TOKENS),
+                                 use_tqdm=False)
+    assert prop.counters["budget_cut_off"] == before + 1 and fits[0].outputs[0].finish_reason == "stop"
+    assert prop.stats()["budget_cut_off"] == before + 1

@@ -42,7 +42,7 @@ import numpy as np
 from llama_cpp import Llama, LogitsProcessorList
 
 from specgrammar_plugins.api import (DEFAULT_DRAFTERS, GREEDY, ConstraintError, ConstraintSpec, SamplingParams,
-                                     SpecOptions, make_loop, parse_request, with_defaults)
+                                     SpecOptions, check_budget, make_loop, parse_request, with_defaults)
 
 from .grammar import ValidatedGrammar, compile_for
 from .runner import LlamaRunner, tokenizer_info
@@ -112,9 +112,12 @@ class SpecLlama(Llama):
         self._request_max_tokens: int | None = None
 
     # ------------------------------------------------------------------------------------------ request fields
-    def _prepare(self, kwargs: dict) -> dict:
+    def _prepare(self, kwargs: dict, max_tokens: int | None = None) -> dict:
         """Read our request fields and the host's ``grammar``; validate (compile) the constraint now, so a bad
-        one raises before any generator is returned; pass it on as ``grammar=ValidatedGrammar``."""
+        one raises before any generator is returned; pass it on as ``grammar=ValidatedGrammar``.  With a
+        ``max_tokens`` (the request's, else the method's default) the budget feasibility is checked now too
+        (``BudgetError`` when the constraint cannot end within it; without one the room left in the context
+        window is the budget, checked when decoding starts)."""
         body = {f: kwargs.pop(f) for f in _REQUEST_FIELDS if f in kwargs}
         body = {f: v for f, v in body.items() if v is not None}
         spec, options = parse_request(body)
@@ -134,18 +137,34 @@ class SpecLlama(Llama):
             return kwargs  # already validated (the chat path calls create_completion), or nothing to do
         obj = found[0][1] if found else None
         compiled = compile_for(obj, tokenizer_info(self), options.engine or self.engine)
+        max_tokens = kwargs.get("max_tokens", max_tokens)
+        if max_tokens is not None and max_tokens > 0:
+            check_budget(compiled, options, max_tokens)
         kwargs["grammar"] = ValidatedGrammar(compiled.spec if compiled is not None else None, compiled, options)
         return kwargs
 
     def create_completion(self, prompt, *args, **kwargs):
-        return super().create_completion(prompt, *args, **self._prepare(kwargs))
+        return self._reported(super().create_completion(prompt, *args, **self._prepare(kwargs, 16)))
 
     def __call__(self, prompt, *args, **kwargs):
-        return super().__call__(prompt, *args, **self._prepare(kwargs))
+        return self._reported(super().__call__(prompt, *args, **self._prepare(kwargs, 16)))
 
     def create_chat_completion(self, messages, *args, **kwargs):
         # take response_format away from the chat handler (it would build an unvalidated LlamaGrammar from it)
-        return super().create_chat_completion(messages, *args, **self._prepare(kwargs))
+        return self._reported(super().create_chat_completion(messages, *args, **self._prepare(kwargs)))
+
+    def _reported(self, out):
+        """The response with ``"specgrammar": {"budget": ...}`` (``Stats.budget``: whether the budget shaped the
+        ending) on a constrained request our loop decoded; when streaming, on the chunk that ends it."""
+        if isinstance(out, dict):
+            return self._annotate(out)
+        return (self._annotate(c) if c.get("choices") and c["choices"][0].get("finish_reason") else c for c in out)
+
+    def _annotate(self, out: dict) -> dict:
+        st = self.last_stats
+        if st is not None and st.budget:
+            out["specgrammar"] = {"budget": dict(st.budget)}
+        return out
 
     def _create_completion(self, *args, **kwargs):
         # llama-cpp-python 0.3.36 bug (llama.py:1339): with both logits_processor and logit_bias,

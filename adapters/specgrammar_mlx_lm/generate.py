@@ -90,7 +90,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
                     cached_tokens: Sequence[int] | None = None, blind: bool = False, stream=None,
                     prefill_step_size: int = 2048, stop_token_ids: Sequence[int] | None = None,
                     lam: float | None = None, adaptive: bool = False, budget: int | None = None,
-                    logits_processors=None, sampler=None, **kwargs) -> Iterator[GenerationResponse]:
+                    budget_mask: bool | None = None, logits_processors=None, sampler=None,
+                    **kwargs) -> Iterator[GenerationResponse]:
     """Yield one ``GenerationResponse`` per generated token (the last one with ``finish_reason`` and ``stats``).
 
     prompt: text, token ids or an mx.array.  With ``prompt_cache`` holding tokens already, ``prompt`` is what
@@ -100,6 +101,9 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
     blind: draft without the grammar mask (benchmarks only: reproduces the grammar-blind draft).
     lam / adaptive / budget: the opt-in cost-aware law (core ``cost.make_tilt``): the output law is then the tilted
     q_lambda, still sampled exactly.
+    budget_mask: budget feasibility (core ``budget.py``; on by default with a constraint): a token is allowed only
+    if the constraint can still end within ``budget`` (or ``max_tokens``) after it; ``BudgetError`` up front when
+    it cannot; the final response's ``stats.budget`` says whether it shaped the output.  False turns it off.
     """
     if sampler is not None:
         raise ValueError("pass temperature/top_p/top_k/min_p instead of a sampler: the exact verifier rebuilds the "
@@ -163,7 +167,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
     rng = rng if rng is not None else np.random.default_rng(seed)
     names = tuple(drafters) if drafters is not None else DEFAULT_DRAFTERS
     options = SpecOptions(k=max(0, num_draft_tokens), drafters=names, recipe=recipe, budget=budget, lam=lam,
-                          adaptive=adaptive)
+                          adaptive=adaptive, budget_mask=budget_mask)
     loop = make_loop(target, full, options, constraint=compiled, tokenizer=tokinfo, params=params, rng=rng,
                      draft_runner=draft, max_tokens=max_tokens, stop_token_ids=stops, blind=blind)
     detok = tokenizer.detokenizer

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from specgrammar_plugins.api import (CompiledConstraint, ConstraintSpec, MaskProcessor, StopOnlyMask, TokenizerInfo,
-                                     compile_constraint)
+from specgrammar_plugins.api import (CompiledConstraint, ConstraintSpec, MaskProcessor, SpecOptions, StopOnlyMask,
+                                     TokenizerInfo, check_budget, compile_constraint)
 
 _TOKINFO: dict[tuple[int, int], tuple[object, TokenizerInfo]] = {}
 
@@ -60,12 +60,12 @@ class GrammarLogitsProcessor:
 
     mask: a core ``MaskProcessor`` (the grammar after the history) or ``StopOnlyMask``; a ``CompiledConstraint``
     is wrapped in a fresh ``MaskProcessor`` (``prompt_len``: the history length that is prompt; None = the length
-    of the first call's history).
+    of the first call's history; ``fit``: the request's exact budget, ``check_budget(..., exact_only=True)``).
     """
 
-    def __init__(self, mask, prompt_len: int | None = None):
+    def __init__(self, mask, prompt_len: int | None = None, fit=None):
         if isinstance(mask, CompiledConstraint):
-            mask = MaskProcessor(mask, prompt_len)
+            mask = MaskProcessor(mask, prompt_len, fit)
         self.mask = mask
 
     @property
@@ -94,12 +94,19 @@ def stop_only_processor(stop_token_ids, reason: str = "") -> GrammarLogitsProces
 
 
 def grammar_logits_processor(constraint, tokenizer, model=None, *, width: int | None = None,
-                             engine: str | None = None, prompt_len: int | None = None) -> GrammarLogitsProcessor:
-    """A fresh processor for one request (``constraint``: ConstraintSpec or CompiledConstraint)."""
+                             engine: str | None = None, prompt_len: int | None = None,
+                             max_tokens: int | None = None, options: SpecOptions | None = None
+                             ) -> GrammarLogitsProcessor:
+    """A fresh processor for one request (``constraint``: ConstraintSpec or CompiledConstraint).  With
+    ``max_tokens`` the exact budget bound is part of the row where the constraint has one (regex, choice, GBNF
+    without recursion, ...; ``BudgetError`` when it cannot end in time): mlx-lm's own sampler cannot draw again,
+    so the certified bound (``check_budget``) needs our loop (``stream_generate``)."""
     if width is None:
         if model is None:
             raise ValueError("pass the model (or width=) so masks match its output width")
         from .runner import output_width
 
         width = output_width(model)
-    return GrammarLogitsProcessor(compile_for(constraint, tokenizer, width, engine), prompt_len)
+    compiled = compile_for(constraint, tokenizer, width, engine)
+    fit = check_budget(compiled, options or SpecOptions(), max_tokens, exact_only=True) if max_tokens else None
+    return GrammarLogitsProcessor(compiled, prompt_len, fit)

@@ -7,8 +7,12 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
   (``response_format`` json_schema / json_object / regex / grammar, top-level ``regex`` / ``grammar`` /
   ``json_schema`` / ``choice``, vLLM-style ``structured_outputs``) and the ``specgrammar`` options object
   (``k``, ``drafters``, ``recipe``, ``engine``; ``trigger``, and the opt-in cost-aware ``lambda`` / ``adaptive`` /
-  ``budget``, which our loop applies).  The constraint is compiled right away, so an invalid
-  schema / regex / grammar is answered with HTTP 400 and the engine's reason; the server keeps serving.
+  ``budget``, which our loop applies, and ``budget_mask``).  The constraint is compiled right away, so an invalid
+  schema / regex / grammar is answered with HTTP 400 and the engine's reason; the server keeps serving.  So is a
+  request whose constraint cannot end within its ``max_tokens`` (budget feasibility, on by default: HTTP 400
+  naming the shortest length).  Where the bound is exact (regex, choice, ...) it is part of the batching path's
+  processor row; a certified bound (JSON Schema on xgrammar / llguidance) re-draws, so such a request is served
+  by our loop (``is_batchable`` False), as one with a ``specgrammar`` object is.
 - without a draft model, a constrained request stays on mlx-lm's batching path with the history-keyed grammar
   logits processor (``logits_processors``); a request that sends a ``specgrammar`` object is served by our loop
   instead (forced-token drafting).
@@ -31,8 +35,8 @@ from dataclasses import dataclass
 
 import pluggy
 
-from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, RequestError, SpecOptions, parse_request,
-                                     registered_drafters, resolve_pack)
+from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, RequestError, SpecOptions, check_budget,
+                                     parse_request, registered_drafters, resolve_pack)
 
 hookimpl = pluggy.HookimplMarker("mlx_lm.server")
 log = logging.getLogger("specgrammar.mlx_lm")
@@ -47,6 +51,7 @@ class RequestPlan:
     spec: object  # ConstraintSpec | None
     options: SpecOptions
     explicit: bool  # the request sent a ``specgrammar`` object
+    certified: bool = False  # its budget bound is certified (checked at commit): our loop serves it
 
 
 # ---------------------------------------------------------------------------------------------- start-up
@@ -119,11 +124,17 @@ def request_fields(body, model_provider):
         raise RequestError(f"unknown drafter(s) {', '.join(map(repr, bad))}; available: {', '.join(sorted(known))}")
     if options.recipe:
         resolve_pack(options.recipe)  # RecipePackError (a ValueError): 400 naming the shipped packs
+    certified = False
     if spec is not None:
         model, tokenizer = _wait_for_model(model_provider)
         if model is not None:
-            _compile(spec, options, model, tokenizer)  # validates now; the compile cache keeps it for later
-    return {"specgrammar": RequestPlan(spec, options, explicit)}
+            compiled = _compile(spec, options, model, tokenizer)  # validates now; the compile cache keeps it
+            max_tokens = body.get("max_completion_tokens")
+            if max_tokens is None:
+                max_tokens = body.get("max_tokens", getattr(model_provider.cli_args, "max_tokens", None))
+            fit = check_budget(compiled, options, max_tokens if isinstance(max_tokens, int) else None)
+            certified = fit is not None and fit.settles  # BudgetError above: 400 naming the shortest length
+    return {"specgrammar": RequestPlan(spec, options, explicit, certified)}
 
 
 def _plan(args) -> RequestPlan | None:
@@ -133,8 +144,8 @@ def _plan(args) -> RequestPlan | None:
 @hookimpl
 def is_batchable(args, model_provider):
     plan = _plan(args)
-    if plan is not None and plan.explicit:
-        return False  # the request asked for our loop
+    if plan is not None and (plan.explicit or plan.certified):
+        return False  # the request asked for our loop, or its budget bound re-draws (our loop)
     return None
 
 
@@ -147,10 +158,11 @@ def logits_processors(args, tokenizer, model):
 
     try:
         compiled = _compile(plan.spec, plan.options, model, tokenizer)
+        fit = check_budget(compiled, plan.options, getattr(args, "max_tokens", None), exact_only=True)
     except (ConstraintError, ValueError) as e:  # never let a bad request kill the generation thread
         log.error("specgrammar: constraint failed at generation time: %s", e)
         return [stop_only_processor(tokenizer.eos_token_ids, str(e))]
-    return [GrammarLogitsProcessor(compiled)]
+    return [GrammarLogitsProcessor(compiled, fit=fit)]
 
 
 # ---------------------------------------------------------------------------------------------- our loop
@@ -162,7 +174,7 @@ def stream_generate(model, tokenizer, draft_model, prompt, prompt_cache, context
     from .processor import GrammarLogitsProcessor
 
     plan = _plan(args)
-    if draft_model is None and (plan is None or not plan.explicit):
+    if draft_model is None and (plan is None or not (plan.explicit or plan.certified)):
         return None  # no draft model and no request for our loop: mlx-lm's own path (processor applies the mask)
     others = [p for p in (logits_processors or []) if not isinstance(p, GrammarLogitsProcessor)]
     if (others or getattr(args.sampling, "xtc_probability", 0.0) > 0.0 or generation_kwargs.get("kv_bits") is not None
@@ -181,7 +193,7 @@ def stream_generate(model, tokenizer, draft_model, prompt, prompt_cache, context
                constraint=plan.spec if plan is not None else None, engine=_engine(options), recipe=options.recipe,
                drafters=options.drafters, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
                seed=args.seed, prompt_cache=prompt_cache, lam=options.lam, adaptive=options.adaptive,
-               budget=options.budget,
+               budget=options.budget, budget_mask=options.budget_mask,
                cached_tokens=list(context.prompt[: context.prompt_cache_count]),
                prefill_step_size=generation_kwargs.get("prefill_step_size") or 2048)
     return _logged(gen)
@@ -192,8 +204,10 @@ def _logged(gen):
         for r in gen:
             if r.stats is not None:
                 st = r.stats
-                log.info("specgrammar: %d tokens, %d target passes (%.2f tokens/pass), acceptance %.2f, forced %d",
-                         st.emitted, st.target_passes, st.tokens_per_pass, st.acceptance, st.forced_tokens)
+                log.info("specgrammar: %d tokens, %d target passes (%.2f tokens/pass), acceptance %.2f, forced %d%s",
+                         st.emitted, st.target_passes, st.tokens_per_pass, st.acceptance, st.forced_tokens,
+                         f", budget {st.budget['budget']} shaped {st.budget['shaped_positions']} positions"
+                         if st.budget.get("shaped") else "")
             yield r
     finally:
         gen.close()

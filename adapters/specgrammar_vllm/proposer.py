@@ -43,8 +43,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specgrammar_plugins.api import (ConstraintError, DraftBlock, HistoryMatcher, SamplingParams, SpecOptions,
-                                     compile_constraint, fill, law_backend, make_drafter)
+from specgrammar_plugins.api import (BudgetError, ConstraintError, DraftBlock, HistoryMatcher, SamplingParams,
+                                     SpecOptions, check_budget, compile_constraint, fill, law_backend, make_drafter)
 
 from .structured import ENGINES, engine_options, spec_from_params
 
@@ -54,7 +54,8 @@ _INSTANCES: "weakref.WeakSet[GrammarProposer]" = weakref.WeakSet()
 DEFAULT_DRAFTERS = ("forced", "recipe")
 DEFAULT_DRAFTERS_WITH_MODEL = ("forced", "recipe", "model")
 COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
-            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "law_rounds")
+            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "law_rounds",
+            "budget_cut_off")
 
 
 def core_params(sp):
@@ -203,6 +204,7 @@ class GrammarProposer:
                         "adapter (use the mlx-lm or llama-cpp-python adapter); request decoded untilted")
         names = tuple(options.get("drafters", self.drafter_names))
         params = core_params(sp)
+        self._check_budget(compiled, getattr(sp, "max_tokens", None))
 
         def chain(names):
             return make_drafter(SpecOptions(k=self.k, drafters=names, recipe=options.get("recipe"), extra=options),
@@ -221,6 +223,16 @@ class GrammarProposer:
         st = _RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
         st.greedy = params.greedy
         return st
+
+    def _check_budget(self, compiled, max_tokens) -> None:
+        """The drafting side of budget feasibility: vLLM's own sampler draws the target's tokens, so a request whose
+        constraint cannot end within its ``max_tokens`` will be cut off mid-structure; count it and say so."""
+        try:
+            check_budget(compiled, SpecOptions(), max_tokens if isinstance(max_tokens, int) else None)
+        except BudgetError as e:
+            self.counters["budget_cut_off"] += 1
+            log.warning("specgrammar: this request will end cut off at max_tokens (vLLM samples the target's tokens "
+                        "without a budget mask): %s", e.reason)
 
     def _draft(self, st: _RequestState, row: np.ndarray, n: int) -> list[int]:
         st.laws = []

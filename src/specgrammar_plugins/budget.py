@@ -457,9 +457,9 @@ def make_budget(compiled: CompiledConstraint | None, budget: int | None, *, exac
             raise BudgetError("the constraint has no completion", shortest=None, budget=budget,
                               engine=compiled.engine, kind=spec.kind)
         n = int(guard.shortest)
-        what = "takes" if guard.mode == "exact" else "takes at most (a completion the engine certified)"
-        raise BudgetError(f"the shortest completion of this constraint {what} {n} tokens (stop token included) but "
-                          f"the budget is {budget} (max_tokens or specgrammar.budget): raise it to at least {n}, or "
+        how = "exact" if guard.mode == "exact" else "the shortest completion the engine certified"
+        raise BudgetError(f"the shortest completion of this constraint takes {n} tokens (stop token included; {how}) "
+                          f"but the budget is {budget} (max_tokens or specgrammar.budget): raise it to at least {n}, or "
                           "send \"specgrammar\": {\"budget_mask\": false} to allow an output cut off at the limit",
                           shortest=n, budget=budget, engine=compiled.engine, kind=spec.kind)
     return guard

@@ -102,11 +102,13 @@ def _widen(allowed: np.ndarray, width: int) -> np.ndarray:
 class MaskProcessor(RequestBoundary):
     """The history-keyed grammar mask of one request: ``allowed(history, width)`` is the boolean row of tokens the
     grammar allows after ``history`` (prompt + generated, as the host passes it).  One per request (or ``reset``
-    between requests)."""
+    between requests).  ``fit``: a budget whose cut is part of the row (``budget.ExactBudget``, a function of the
+    history: the host's own loop, draft and verification alike, sees the same row)."""
 
-    def __init__(self, compiled: CompiledConstraint, prompt_len: int | None = None):
+    def __init__(self, compiled: CompiledConstraint, prompt_len: int | None = None, fit=None):
         super().__init__(prompt_len)
         self.compiled = compiled
+        self.fit = fit
         self.history = HistoryMatcher(compiled)
         self.calls = 0
         self.invalid_calls = 0  # histories holding a grammar-rejected token (a blind draft the host will reject)
@@ -114,9 +116,12 @@ class MaskProcessor(RequestBoundary):
     def mask(self, history: Sequence[int]) -> np.ndarray:
         """The packed row for the position after ``history``."""
         self.calls += 1
-        row, ok = self.history.mask_for(self.generated(history))
+        generated = self.generated(history)
+        row, ok = self.history.mask_for(generated)
         if not ok:
             self.invalid_calls += 1
+        elif self.fit is not None and row is self.history._row:  # (the grammar's own row, refilled every call)
+            self.fit.restrict(row, generated)
         return row
 
     def allowed(self, history: Sequence[int], width: int) -> np.ndarray:
