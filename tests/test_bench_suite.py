@@ -166,6 +166,27 @@ def test_vllm_host_quick(tmp_path, monkeypatch):
     _finite(rows, ["tokens", "rounds", "accepted", "acceptance", "passes_per_token"])
 
 
+def test_schemas_quick(tmp_path):
+    from conftest import needs_shared_data
+
+    needs_shared_data("jsonschemabench", "dev")
+    _have("mlx_lm", "llama_cpp", "matplotlib", "jsonschema")
+    _tiny("target", "draft", "target.gguf", "draft.gguf")
+    doc = bench(tmp_path, "schemas")
+    rows = doc["rows"]
+    assert {r["host"] for r in rows} == {"mlx", "llama_cpp"} and {r["mask"] for r in rows} == {"on", "off"}
+    assert {r["strategy"] for r in rows} == {"plain", "blind", "aware", "forced", "suffix", "full"}
+    for r in rows:
+        assert r["refused"] + r["complete"] + r["cut"] <= r["n"] and r["valid"] <= r["complete"]
+    _finite(rows, ["tokens_per_pass", "tokens"])
+    _finite([r for r in rows if r["strategy"] in ("blind", "aware", "full")], ["acceptance", "draft_passes_per_token"])
+    assert len(doc["claims"]) == 2 and all(isinstance(c["pass"], bool) for c in doc["claims"])
+    assert doc["families"] and "aware > blind" in doc["_stdout"]
+    comp = doc["completeness"]
+    assert comp["counts"]["compiled"] >= 1 and comp["rows"]
+    assert all(r["complete_valid"] <= r["fits"] <= r["compiled"] for r in comp["rows"])
+
+
 def test_cost_quick(tmp_path):
     _have("mlx_lm", "matplotlib")
     _tiny("target", "draft")

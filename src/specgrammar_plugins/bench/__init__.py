@@ -12,6 +12,8 @@ BENCHMARKS = {
     "coverage": "JSON Schema / GBNF coverage on MaskBench and llama.cpp grammars per engine and policy",
     "cost": "cost-aware laws: complete+valid within a budget below typical length, untilted vs adaptive lambda",
     "strategies": "baseline / blind draft / aware draft / forced / recipe / full chain per host and workload",
+    "schemas": "real JSON Schemas (MaskBench dev): complete/valid within max_tokens with and without the budget mask, "
+               "blind vs aware drafting per family",
     "recipes": "the kolm table: cold / draft model / recipe pack / both, coverage and accuracy against greedy",
     "scale": "verify k vs decode 1 at the Qwen2.5-0.5B shape (fp32, random weights) and the PROJECTED speedup",
     "overhead": "the loop's host work per round at V = 151,936 per law backend, beside the 0.5B forward time",

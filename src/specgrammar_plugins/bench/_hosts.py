@@ -62,11 +62,14 @@ class Run:
     by_source: dict = field(default_factory=dict)
     stop: bool = False
     drafted_by_source: dict = field(default_factory=dict)  # drafts per drafter (model drafts = draft model passes)
+    finish_reason: str | None = None  # our loop's ("stop": the grammar ended; "length": cut off at max_tokens)
+    budget: dict = field(default_factory=dict)  # Stats.budget: whether the budget mask shaped the output
 
     @classmethod
     def from_stats(cls, tokens, text, st, seconds, stop_ids) -> "Run":
         return cls(list(tokens), text, st.target_passes, seconds, st.drafted, st.accepted, st.rounds, st.mask_us,
-                   dict(st.accepted_by_source), bool(tokens) and tokens[-1] in stop_ids, dict(st.drafted_by_source))
+                   dict(st.accepted_by_source), bool(tokens) and tokens[-1] in stop_ids, dict(st.drafted_by_source),
+                   st.finish_reason, dict(st.budget))
 
 
 class MLXHost:
@@ -97,17 +100,20 @@ class MLXHost:
         return self.tok.decode([t for t in tokens if t not in self.stops])
 
     def run(self, s: Strategy, workload: str, ids: list[int], spec, *, k: int, max_tokens: int,
-            temperature: float, seed: int) -> Run:
+            temperature: float, seed: int, options: dict | None = None) -> Run:
+        """``options``: request options for our loop (``engine``, ``budget_mask``)."""
         if s.drafters is None:
             return self._host(ids, spec, max_tokens, temperature, seed)
         from specgrammar_mlx_lm.generate import generate_tokens
 
+        options = options or {}
         t0 = time.perf_counter()
         out, st = generate_tokens(self.model, self.tok, ids, max_tokens=max_tokens,
                                   draft_model=self.draft if s.uses_model else None,
                                   num_draft_tokens=k if s.drafters else 0, drafters=s.drafters or None,
                                   constraint=spec, temperature=temperature, seed=seed, blind=s.blind,
-                                  recipe=self.pack(workload) if s.uses_pack else None)
+                                  recipe=self.pack(workload) if s.uses_pack else None,
+                                  engine=options.get("engine"), budget_mask=options.get("budget_mask"))
         dt = time.perf_counter() - t0
         return Run.from_stats(out, self.text(out), st, dt, self.stops)
 
@@ -213,7 +219,8 @@ class LlamaHost:
         return None if g is None else LlamaGrammar.from_string(g, verbose=False)
 
     def run(self, s: Strategy, workload: str, prompt: str, spec, *, k: int, max_tokens: int,
-            temperature: float, seed: int) -> Run:
+            temperature: float, seed: int, options: dict | None = None) -> Run:
+        """``options``: request options for our loop (``engine``, ``budget_mask``), sent as ``specgrammar``."""
         if s.drafters is None:
             grammar = self._grammar(workload)
             before = self.counter.calls
@@ -228,15 +235,17 @@ class LlamaHost:
         llm = self.blind if s.blind else self.ours
         llm.recipe = self.pack(workload) if s.uses_pack else None
         t0 = time.perf_counter()
+        extra = {key: v for key, v in (options or {}).items() if v is not None}
         out = llm.create_completion(prompt, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                     constraint=spec, specgrammar={"k": k if s.drafters else 0,
-                                                                  "drafters": list(s.drafters or ("forced",))})
+                                                                  "drafters": list(s.drafters or ("forced",)),
+                                                                  **extra})
         dt = time.perf_counter() - t0
         st = llm.last_stats
         choice = out["choices"][0]
         return Run([-1] * st.emitted, choice["text"], st.target_passes, dt, st.drafted, st.accepted, st.rounds,
                    st.mask_us, dict(st.accepted_by_source), choice["finish_reason"] == "stop",
-                   dict(st.drafted_by_source))
+                   dict(st.drafted_by_source), choice["finish_reason"], dict(st.budget))
 
 
 HOSTS = {"mlx": MLXHost, "llama_cpp": LlamaHost}
