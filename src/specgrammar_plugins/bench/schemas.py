@@ -20,11 +20,13 @@ for JSON Schema), and the prompt "Give a JSON object for this schema: <the schem
   same schema and settings (median; wall-clock on this machine).  Per family: blind vs aware acceptance and tokens
   per target pass, and whether blind drafting is slower than no speculation.
 - **completeness** (``--completeness N``, 0 = every schema of the split): each compiled schema at
-  ``max_tokens`` 256, T = 0 and 0.7, budget mask on, the full chain on ``--completeness-host``: how many compile,
+  ``max_tokens`` 256, T = 0 and 0.7, budget mask on, ``--completeness-strategy`` (default the full chain) on
+  ``--completeness-host``: how many compile,
   how many have a shortest completion that fits (exact or certified), and how many of those end complete and valid.
 
     specgrammar bench schemas [--hosts mlx llama_cpp] [--n 24] [--seed 0] [--max-tokens 128 256]
                               [--temperatures 0 0.7] [--k 4] [--completeness N] [--completeness-host mlx]
+                              [--completeness-strategy full]
                               [--out-dir bench-out/schemas] [--quick]
 
 Writes ``schemas.json`` (every run, compact) and ``schemas.png``.  Needs ``../shared/data/jsonschemabench/dev``.
@@ -267,7 +269,7 @@ def family_table(frows: list[dict]) -> str:
 
 # ---------------------------------------------------------------------------------------------- part 2: completeness
 def run_completeness(hname: str, items: list[dict], temperatures, k: int, max_tokens: int = 256,
-                     show_progress=True) -> list[dict]:
+                     show_progress=True, strategy: str = "full") -> list[dict]:
     host = load_host(hname)
     out = []
     total = len(items) * len(temperatures)
@@ -275,7 +277,7 @@ def run_completeness(hname: str, items: list[dict], temperatures, k: int, max_to
     it = iter(bar)
     for i, item in enumerate(items):
         for temp in temperatures:
-            rec = run_one(host, STRATEGIES["full"], item, k=k, max_tokens=max_tokens, temperature=temp, mask=True,
+            rec = run_one(host, STRATEGIES[strategy], item, k=k, max_tokens=max_tokens, temperature=temp, mask=True,
                           seed=2000 + i)
             rec.update(host=hname, schema=item["name"], family=item["family"], temperature=temp,
                        max_tokens=max_tokens)
@@ -365,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--completeness", type=int, default=None,
                     help="schemas in the completeness part (0: every compiled schema; default: none; quick 3)")
     ap.add_argument("--completeness-host", default="mlx", choices=["mlx", "llama_cpp"])
+    ap.add_argument("--completeness-strategy", default="full", choices=list(STRATEGIES))
     R.add_common_args(ap, "schemas")
     a = ap.parse_args(argv)
     if not data_dir().exists():
@@ -406,10 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         compiled_by_family: dict[str, int] = defaultdict(int)
         for it_ in citems:
             compiled_by_family[it_["family"]] += 1
-        comp = run_completeness(a.completeness_host, citems, temps, a.k, show_progress=not a.no_progress)
+        comp = run_completeness(a.completeness_host, citems, temps, a.k, show_progress=not a.no_progress,
+                                strategy=a.completeness_strategy)
         comp_rows = completeness_rows(comp, compiled_by_family)
         print(f"\ncompleteness: {comp_counts['compiled']} of {comp_counts['tried']} schemas compiled (engine auto), "
-              f"{a.completeness_host}, full chain, max_tokens 256, budget mask on\n")
+              f"{a.completeness_host}, {a.completeness_strategy}, max_tokens 256, budget mask on\n")
         print(completeness_table(comp_rows))
         bad = [r for r in comp if not r["refused"] and not (r["complete"] and r["valid"]) and r["valid"] is not None]
         for r in bad[:20]:
@@ -418,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.write({"n": len(items), "seed": a.seed, "k": a.k, "max_tokens": max_tokens_list, "temperatures": temps,
                "strategies": strategies, "hosts": a.hosts, "schemas": [i["name"] for i in items],
                "compile_counts": counts, "rows": rows, "families": frows, "claims": claims, "runs": runs,
-               "completeness": {"host": a.completeness_host, "counts": comp_counts, "rows": comp_rows,
+               "completeness": {"host": a.completeness_host, "strategy": a.completeness_strategy,
+                                "counts": comp_counts, "rows": comp_rows,
                                 "runs": comp} if comp_n is not None else None,
                "blas": preloaded(), "versions": R.versions("mlx", "mlx-lm", "llama-cpp-python", "llguidance")},
               plot=plot(rows, frows, comp_rows), figsize=(13, 4.5 * (len(a.hosts) + 1)))
