@@ -193,6 +193,7 @@ def test_cost_quick(tmp_path):
     doc = bench(tmp_path, "cost")
     assert doc["rows"] and doc["n"] > 0
     for r in doc["rows"].values():
-        for m in ("untilted", "adaptive"):
+        for m in ("untilted", "adaptive", "budget mask", "adaptive + mask"):
             assert 0 <= r[m]["complete_valid"] <= r[m]["n"]
+        assert r["budget mask"]["complete_valid"] == r["budget mask"]["n"]  # the mask's guarantee (budget >= J0)
         assert math.isfinite(r["j0"]) and r["budget"] > 0

@@ -328,3 +328,31 @@ def test_the_budget_cut_is_part_of_the_one_fill_per_position(tok, engine):
         st_ = loop.stats
         assert loop.finish_reason == "stop" and st_.budget["shaped"]
         assert counting.counter[0] == st_.mask_fills == st_.mask_rows - st_.mask_placeholders
+
+
+HARD = [  # what a greedy walk over single bytes does not finish on its own
+    {"type": "object", "properties": {"t": {"type": "string", "pattern": "wifi"}}, "required": ["t"]},  # unanchored
+    {"type": "object", "properties": {"s": {"type": "string", "pattern": "^iglu:[a-z]+/[0-9]+-[0-9]+$"}},
+     "required": ["s"]},
+    {"type": "object", "properties": {"x": {"type": "number", "exclusiveMinimum": 0}}, "required": ["x"]},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}, "required": ["when"]},
+    {"type": "object", "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"}},
+     "required": ["apiVersion", "kind"]},  # required keys, and any other key allowed too
+]
+
+
+@pytest.mark.parametrize("schema", HARD, ids=["unanchored", "anchored", "exclusive", "format", "required"])
+@pytest.mark.parametrize("engine", ["llguidance", "xgrammar"])
+def test_the_start_certificate_is_found_and_valid(tok, schema, engine):
+    from specgrammar_plugins.budget import shortest_match
+
+    c = _compile(ConstraintSpec.json_schema(schema), tok, engine)
+    if c is None:
+        pytest.skip(f"{engine} refuses {schema}")
+    g = CertifiedBudget(c, 128)
+    assert not g.lost, schema
+    cert = g._certs[0]
+    m = c.matcher()
+    assert all(m.accept(t) for t in cert) and m.is_terminated()  # certified by the engine itself
+    assert _validator(schema)(_text(tok, cert)), _text(tok, cert)
+    assert shortest_match("wifi") == "wifi" and re.fullmatch(r"[a-z]+/[0-9]+", shortest_match("^[a-z]+/[0-9]+$"))

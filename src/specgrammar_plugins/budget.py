@@ -214,6 +214,79 @@ def schema_names(schema) -> list[str]:
     return list(required) + [k for k in other if k not in required]
 
 
+# a short value of each string format the engines check (JSON Schema's ``format``)
+FORMAT_EXAMPLES = {"date-time": "2000-01-01T00:00:00Z", "date": "2000-01-01", "time": "00:00:00Z",
+                   "email": "a@b.co", "uri": "a:b", "uri-reference": "a", "uuid": "00000000-0000-0000-0000-000000000000",
+                   "ipv4": "0.0.0.0", "ipv6": "::", "hostname": "a", "duration": "P1D"}
+
+
+def shortest_match(pattern: str, limit: int = 64) -> str | None:
+    """The shortest string a regex (a JSON Schema ``pattern``) matches, by breadth-first search over its DFA
+    (interegular), preferring letters and digits per step; None when it cannot be read."""
+    import interegular
+    from interegular.fsm import anything_else
+
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    if body.endswith("$") and not body.endswith("\\$"):
+        body = body[:-1]
+    try:
+        fsm = interegular.parse_pattern(body).to_fsm()
+    except Exception:
+        return None
+    chars: dict[int, str] = {}
+    for c, sym in sorted(fsm.alphabet._symbol_mapping.items(), key=lambda kv: (str(kv[0]) if kv[0] is not anything_else
+                                                                            else "\uffff")):
+        if c is anything_else:
+            explicit = set(fsm.alphabet._symbol_mapping)
+            c = next((x for x in "a0xA_" if x not in explicit), None)
+            if c is None:
+                continue
+        if sym not in chars or (c.isalnum() and not chars[sym].isalnum()):
+            chars[sym] = c
+    seen = {fsm.initial: ""}
+    frontier = [fsm.initial]
+    while frontier:
+        nxt = []
+        for st in frontier:
+            if st in fsm.finals:
+                return seen[st]
+            if len(seen[st]) >= limit:
+                continue
+            for sym, to in sorted(fsm.map.get(st, {}).items(), key=lambda kv: str(kv[0])):
+                if to not in seen and sym in chars:
+                    seen[to] = seen[st] + chars[sym]
+                    nxt.append(to)
+        frontier = nxt
+    return None
+
+
+def string_examples(schema) -> list[bytes]:
+    """Short strings a JSON Schema's string keywords accept: the shortest match of each ``pattern`` and a value
+    of each ``format`` (a walk inside a string whose quote is not allowed yet tries them before single bytes:
+    an unanchored pattern such as ``wifi`` is found no other way)."""
+    out: dict[bytes, None] = {}
+
+    def visit(node, depth=0):
+        if depth > 64 or len(out) >= 32:
+            return
+        if isinstance(node, dict):
+            pat, fmt = node.get("pattern"), node.get("format")
+            if isinstance(pat, str) and len(pat) <= 300:
+                m = shortest_match(pat)
+                if m is not None:
+                    out[m.encode("utf-8")] = None
+            if isinstance(fmt, str) and fmt in FORMAT_EXAMPLES:
+                out[FORMAT_EXAMPLES[fmt].encode()] = None
+            for v in node.values():
+                visit(v, depth + 1)
+        elif isinstance(node, list):
+            for v in node:
+                visit(v, depth + 1)
+
+    visit(schema)
+    return sorted(out, key=len)
+
+
 class CertifiedBudget(Budget):
     """U = the length of a completion certified by the request's own engine (see the module docstring)."""
 
@@ -239,9 +312,14 @@ class CertifiedBudget(Budget):
         order = list(_PRIORITY) + [b for b in range(256) if b not in _PRIORITY and b not in _WHITESPACE]
         self.prefer = [single[b] for b in order if b in single]
         self.prefer_in_string = [single[b] for b in [0x22, *[b for b in order if b != 0x22]] if b in single]
+        ends = b'}],"'
+        self.digits = frozenset(single[b] for b in b"0123456789" if b in single)
+        self.prefer_after_digit = [single[b] for b in [*ends, *[b for b in order if b not in ends]] if b in single]
         self.blanks = [single[b] for b in _WHITESPACE if b in single]
-        names = schema_names(compiled.spec.schema) if compiled.spec.kind == "json_schema" else []
+        schema = compiled.spec.schema if compiled.spec.kind == "json_schema" else None
+        names = schema_names(schema) if schema is not None else []
         self.names = [n.encode("utf-8") + b'"' for n in names[: self.MAX_NAMES]]
+        self.strings = [x + b'"' for x in string_examples(schema)] if schema is not None else []
         self.walks = 0
         # the committed path's certificates: _certs[i] certifies _path[:i]; _scans[i] scans its text
         self._path: list[int] = []
@@ -295,6 +373,7 @@ class CertifiedBudget(Budget):
         scan = scan.copy()
         row = self._row
         out: list[int] = []
+        used: dict[int, int] = {}
         tb = self.tok.token_bytes
         while len(out) < steps:
             f.fill_mask(row)
@@ -315,21 +394,23 @@ class CertifiedBudget(Budget):
                     took += 1
                 if took:
                     continue
-            ids = self._choose(f, row, scan)
+            ids = self._choose(f, row, scan, used)
             if not ids:
                 return None
             for t in ids:
                 if not f.accept(t):
                     return None
                 out.append(t)
+                used[t] = used.get(t, 0) + 1
                 scan.feed(tb[t])
         return None
 
-    def _choose(self, f, row: np.ndarray, scan: _Scan) -> list[int] | None:
+    def _choose(self, f, row: np.ndarray, scan: _Scan, used: dict) -> list[int] | None:
         """The walk's next token(s): a property name the schema mentions at an object key (not yet in this
         object; spelled with its closing quote), else the first allowed single-byte token in the order of
-        preference (inside a string the closing quote, outside the closers, then the shortest values), else
-        any allowed token (lowest id, whitespace last)."""
+        preference (outside a string the closers, then the shortest values; inside one the closing quote, else
+        the allowed byte the walk used least, so that a pattern's ``[a-z]+/`` gets its ``/``), else any allowed
+        token (lowest id, whitespace last).  ``used``: how often the walk took each token."""
         if self.names and scan.in_str and scan.key_buf is not None and not scan.key_buf:
             seen = scan.stack[-1][1] if scan.stack and scan.stack[-1][1] is not None else set()
             for name in self.names:
@@ -340,9 +421,26 @@ class CertifiedBudget(Budget):
                     g = f.fork()
                     if all(g.accept(t) for t in ids):
                         return ids
-        for t in (self.prefer_in_string if scan.in_str else self.prefer):
-            if mask_allows(row, t):
-                return [t]
+        if scan.in_str:  # the closing quote, else the least used allowed byte so far (a pattern's next part)
+            allowed = [t for t in self.prefer_in_string if mask_allows(row, t)]
+            if allowed and allowed[0] == self.prefer_in_string[0]:
+                return [allowed[0]]
+            for text in self.strings:  # a value the schema's patterns and formats accept, and its closing quote
+                ids = self.spell(text)
+                if ids and mask_allows(row, ids[0]):
+                    g = f.fork()
+                    if all(g.accept(t) for t in ids):
+                        return ids
+            if allowed:
+                return [min(allowed, key=lambda t: used.get(t, 0))]
+        else:  # the closers, then the shortest values; after a digit the number's end before more digits
+            order = self.prefer_after_digit if chr(scan.last).isdigit() else self.prefer
+            allowed = [t for t in order if mask_allows(row, t)]
+            if allowed:
+                digits = [t for t in allowed if t in self.digits]
+                if allowed[0] in self.digits and used.get(allowed[0], 0) >= 8:  # 0.000... going nowhere
+                    return [min(digits, key=lambda t: used.get(t, 0))]
+                return [allowed[0]]
         for w in np.flatnonzero(row).tolist():
             word = int(row.view(np.uint32)[w])
             for b in range(32):
@@ -465,4 +563,5 @@ def make_budget(compiled: CompiledConstraint | None, budget: int | None, *, exac
     return guard
 
 
-__all__ = ["Budget", "CertifiedBudget", "ExactBudget", "exact_pattern", "make_budget", "schema_names"]
+__all__ = ["Budget", "CertifiedBudget", "ExactBudget", "exact_pattern", "make_budget", "schema_names",
+           "shortest_match", "string_examples"]

@@ -242,9 +242,9 @@ def regular_form(spec: ConstraintSpec) -> str | None:
 # ------------------------------------------------------------------------------------------- CFG: an estimate
 class _Scan:
     """Incremental scanner of JSON-ish text: open containers/strings, what is owed next (a value after ':' or an
-    array ',', a key after an object ',', the ':' after a key), and per open object the keys seen."""
+    array ',', a key after an object ',', the ':' after a key), per open object the keys seen, and the last byte."""
 
-    __slots__ = ("stack", "in_str", "esc", "key_buf", "expect_key", "owed_value", "need_colon")
+    __slots__ = ("stack", "in_str", "esc", "key_buf", "expect_key", "owed_value", "need_colon", "last")
 
     def __init__(self):
         self.stack: list[list] = []  # [kind, keys_seen(set) or None]
@@ -254,16 +254,19 @@ class _Scan:
         self.expect_key = False
         self.owed_value = False
         self.need_colon = False
+        self.last = 0
 
     def copy(self) -> "_Scan":
         c = _Scan.__new__(_Scan)
         c.stack = [[k, set(s) if s is not None else None] for k, s in self.stack]
         c.in_str, c.esc, c.expect_key = self.in_str, self.esc, self.expect_key
-        c.owed_value, c.need_colon = self.owed_value, self.need_colon
+        c.owed_value, c.need_colon, c.last = self.owed_value, self.need_colon, self.last
         c.key_buf = bytearray(self.key_buf) if self.key_buf is not None else None
         return c
 
     def feed(self, data: bytes) -> None:
+        if data:
+            self.last = data[-1]
         for b in data:
             if self.in_str:
                 if self.esc:

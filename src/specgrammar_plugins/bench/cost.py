@@ -1,14 +1,16 @@
-"""``specgrammar bench cost``: structured output within budget, untilted vs the adaptive lambda controller.
+"""``specgrammar bench cost``: structured output within budget, untilted vs the adaptive lambda controller (and
+the budget mask, alone and with the controller).
 
 For each structured workload, eval prompts are answered on the bundled tiny pair through the mlx-lm adapter
 (speculative: forced -> model drafts, k=4) with ``max_tokens`` set below the typical answer length (``--frac`` of
-the median length of the reference answers), once with the plain law and once with ``adaptive=True`` (same prompts,
-same seeds).  An output counts when it is complete (the grammar finished, EOS) and valid (regex full match / JSON
+the median length of the reference answers), with the plain law and with ``adaptive=True``, both with the budget
+mask off (the tilt alone), then with the budget mask on (``budget.py``, the default for constrained requests),
+untilted and adaptive (same prompts, same seeds).  An output counts when it is complete (the grammar finished, EOS) and valid (regex full match / JSON
 Schema validation / the grammar's own acceptance).
 
     specgrammar bench cost [--n 20] [--frac 0.5] [--temperature 0.7] [--out-dir bench-out/cost] [--quick]
 
-Writes ``cost.json`` and ``cost.png`` (complete-and-valid counts per workload, untilted vs adaptive).
+Writes ``cost.json`` and ``cost.png`` (complete-and-valid counts per workload and mode).
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+# mode -> (adaptive lambda, budget mask): the tilt alone (the budget mask off), then with the budget mask
+MODES = {"untilted": (False, False), "adaptive": (True, False), "budget mask": (False, True),
+         "adaptive + mask": (True, True)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,13 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         j0 = cost_model_for(compile_constraint(exs[0].constraint, tiny_tokenizer_info())).cost_to_go([])
         budget = int(round(j0 + a.frac * (statistics.median(lens) - j0)))
         res = {}
-        for mode in ("untilted", "adaptive"):
+        for mode, (adaptive, mask) in MODES.items():
             ok = 0
             lam_max = []
             for i, e in enumerate(exs):
                 out, st = generate_tokens(model, tok, chat_prompt(e.prompt), max_tokens=budget, draft_model=draft,
                                           num_draft_tokens=a.k, constraint=e.constraint, temperature=a.temperature,
-                                          seed=1000 + i, adaptive=(mode == "adaptive"))
+                                          seed=1000 + i, adaptive=adaptive, budget_mask=mask)
                 text = tok.decode([t for t in out if t not in tok.eos_token_ids]) if hasattr(tok, "eos_token_ids") \
                     else tok.decode(out)
                 if st.finish_reason == "stop" and is_valid(w, text):
@@ -69,19 +75,18 @@ def main(argv: list[str] | None = None) -> int:
             res[mode] = {"complete_valid": ok, "n": len(exs),
                          "lambda_max_median": statistics.median(lam_max) if lam_max else 0.0}
         rows[w] = {"budget": budget, "j0": j0, "median_reference_tokens": statistics.median(lens), **res}
-        print(f"{w:16} budget {budget:3d} (J0 {j0:.0f}, median answer {statistics.median(lens):.0f}): untilted "
-              f"{res['untilted']['complete_valid']}/{len(exs)}, adaptive {res['adaptive']['complete_valid']}/{len(exs)}"
+        print(f"{w:16} budget {budget:3d} (J0 {j0:.0f}, median answer {statistics.median(lens):.0f}): " +
+              ", ".join(f"{m} {res[m]['complete_valid']}/{len(exs)}" for m in MODES) +
               f" (median lambda_max {res['adaptive']['lambda_max_median']:.1f})", flush=True)
-    tot = {m: sum(r[m]["complete_valid"] for r in rows.values()) for m in ("untilted", "adaptive")}
+    tot = {m: sum(r[m]["complete_valid"] for r in rows.values()) for m in MODES}
     n = sum(r["untilted"]["n"] for r in rows.values())
-    print(f"all: untilted {tot['untilted']}/{n} ({100 * tot['untilted'] / n:.1f}%), adaptive {tot['adaptive']}/{n} "
-          f"({100 * tot['adaptive'] / n:.1f}%)  [{time.perf_counter() - t0:.0f} s, T={a.temperature}, k={a.k}]")
+    print("all: " + ", ".join(f"{m} {tot[m]}/{n} ({100 * tot[m] / n:.1f}%)" for m in MODES) +
+          f"  [{time.perf_counter() - t0:.0f} s, T={a.temperature}, k={a.k}]")
     ws = list(rows)
 
     def plot(fig):
         ax = fig.add_subplot(1, 1, 1)
-        R.bar_groups(ax, ws, {m: [rows[w][m]["complete_valid"] / rows[w][m]["n"] for w in ws]
-                              for m in ("untilted", "adaptive")},
+        R.bar_groups(ax, ws, {m: [rows[w][m]["complete_valid"] / rows[w][m]["n"] for w in ws] for m in MODES},
                      "complete and valid within max_tokens", f"T={a.temperature}, k={a.k}", hline=0.99)
 
     report.write({"args": {k: v for k, v in vars(a).items() if k != "out_dir"}, "rows": rows, "total": tot, "n": n},
