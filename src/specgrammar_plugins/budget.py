@@ -187,30 +187,32 @@ _PRIORITY = b'}]0",:[{ntf-123456789abcdefghijklmopqrsuvwxyzABCDEFGHIJKLMNOPQRSTU
 _WHITESPACE = b" \t\n\r"
 
 
+def _objects(schema, depth: int = 0):
+    """Every JSON object (dict) inside a schema, depth-first (64 levels at most)."""
+    if depth > 64:
+        return
+    if isinstance(schema, dict):
+        yield schema
+        children = schema.values()
+    elif isinstance(schema, list):
+        children = schema
+    else:
+        return
+    for v in children:
+        yield from _objects(v, depth + 1)
+
+
 def schema_names(schema) -> list[str]:
     """Property names a JSON Schema mentions: those some ``required`` list names first, then the others (a walk
     at an object key tries them before an empty key, so that an object with a required key and additional
     properties allowed is closed by naming the key, not by adding empty ones forever)."""
     required: dict[str, None] = {}
     other: dict[str, None] = {}
-
-    def visit(node, depth=0):
-        if depth > 64:
-            return
-        if isinstance(node, dict):
-            req = node.get("required")
-            if isinstance(req, list):
-                required.update((k, None) for k in req if isinstance(k, str))
-            props = node.get("properties")
-            if isinstance(props, dict):
-                other.update((k, None) for k in props if isinstance(k, str))
-            for v in node.values():
-                visit(v, depth + 1)
-        elif isinstance(node, list):
-            for v in node:
-                visit(v, depth + 1)
-
-    visit(schema)
+    for node in _objects(schema):
+        if isinstance(node.get("required"), list):
+            required.update((k, None) for k in node["required"] if isinstance(k, str))
+        if isinstance(node.get("properties"), dict):
+            other.update((k, None) for k in node["properties"] if isinstance(k, str))
     return list(required) + [k for k in other if k not in required]
 
 
@@ -265,25 +267,16 @@ def string_examples(schema) -> list[bytes]:
     of each ``format`` (a walk inside a string whose quote is not allowed yet tries them before single bytes:
     an unanchored pattern such as ``wifi`` is found no other way)."""
     out: dict[bytes, None] = {}
-
-    def visit(node, depth=0):
-        if depth > 64 or len(out) >= 32:
-            return
-        if isinstance(node, dict):
-            pat, fmt = node.get("pattern"), node.get("format")
-            if isinstance(pat, str) and len(pat) <= 300:
-                m = shortest_match(pat)
-                if m is not None:
-                    out[m.encode("utf-8")] = None
-            if isinstance(fmt, str) and fmt in FORMAT_EXAMPLES:
-                out[FORMAT_EXAMPLES[fmt].encode()] = None
-            for v in node.values():
-                visit(v, depth + 1)
-        elif isinstance(node, list):
-            for v in node:
-                visit(v, depth + 1)
-
-    visit(schema)
+    for node in _objects(schema):
+        if len(out) >= 32:
+            break
+        pat, fmt = node.get("pattern"), node.get("format")
+        if isinstance(pat, str) and len(pat) <= 300:
+            m = shortest_match(pat)
+            if m is not None:
+                out[m.encode("utf-8")] = None
+        if isinstance(fmt, str) and fmt in FORMAT_EXAMPLES:
+            out[FORMAT_EXAMPLES[fmt].encode()] = None
     return sorted(out, key=len)
 
 
