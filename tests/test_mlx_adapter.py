@@ -229,6 +229,12 @@ def test_budget_mask_ends_within_max_tokens_and_says_so(tiny):
                 ex.constraint.schema).is_valid(json.loads(text))
             assert st.finish_reason == "stop" and len(out) <= budget and ok, (w, temperature, text, st.budget)
             assert st.budget["shaped"] and st.budget["mode"] == ("exact" if w == "email" else "certified")
+        last = None
+        for r in stream_generate(model, tok, ids, max_tokens=budget, temperature=0.0, **kw):
+            last = r  # the final response says it when it is yielded (a server reads it then)
+            if r.finish_reason is not None:
+                assert r.stats.budget["shaped"] and r.stats.budget["budget"] == budget
+        assert last.finish_reason == "stop"
         _, st = generate_tokens(model, tok, ids, max_tokens=budget, temperature=0.0, budget_mask=False, **kw)
         assert st.finish_reason == "length" and not st.budget
         with pytest.raises(BudgetError) as e:

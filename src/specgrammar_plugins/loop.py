@@ -227,7 +227,7 @@ class SpeculativeLoop:
         drafts = block.tokens
         for i in range(a + (1 if bonus else 0)):
             t = drafts[i] if i < a else token
-            h = [*self.emitted[:], *drafts[:i]]
+            h = [*self.emitted, *drafts[:i]]
             if self.fit.feasible(h, t):
                 continue
             z = _host_row(logits[i])
@@ -251,6 +251,7 @@ class SpeculativeLoop:
                 self.stats.emitted = len(self.emitted)
                 if c.finish_reason is not None:
                     self.finish_reason = self.stats.finish_reason = c.finish_reason
+                    self._report()  # before the last commit is yielded: a host reads the stats with it
                 yield c
                 if c.finish_reason is not None:
                     # learning drafters (the online suffix index, recipe miss logs) see every finished request
@@ -258,10 +259,13 @@ class SpeculativeLoop:
                     return
         finally:
             self.stats.wall_s = time.perf_counter() - t0
-            if hasattr(self.tilt_fn, "report"):
-                self.stats.cost = self.tilt_fn.report(self.emitted)
-            if self.fit is not None:
-                self.stats.budget = self.fit.report()
+            self._report()
+
+    def _report(self) -> None:
+        if hasattr(self.tilt_fn, "report"):
+            self.stats.cost = self.tilt_fn.report(self.emitted)
+        if self.fit is not None:
+            self.stats.budget = self.fit.report()
 
     def generate(self) -> list[int]:
         for _ in self.run():
