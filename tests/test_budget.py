@@ -333,12 +333,16 @@ def test_the_budget_cut_is_part_of_the_one_fill_per_position(tok, engine):
 HARD = [  # what a greedy walk over single bytes does not finish on its own
     {"type": "object", "properties": {"t": {"type": "string", "pattern": "wifi"}}, "required": ["t"]},  # unanchored
     {"type": "object", "properties": {"s": {"type": "string", "pattern": "^iglu:[a-z]+/[0-9]+-[0-9]+$"}},
-     "required": ["s"]},
+     "required": ["s"]},  # (the engine forces "iglu:" first: the rest of the shortest match follows it)
     {"type": "object", "properties": {"x": {"type": "number", "exclusiveMinimum": 0}}, "required": ["x"]},
     {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"}}, "required": ["when"]},
     {"type": "object", "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"}},
      "required": ["apiVersion", "kind"]},  # required keys, and any other key allowed too
 ]
+
+
+_SHORT = [{"t": "wifi"}, {"s": "iglu:a/0-0"}, {"x": 1}, {"when": "2000-01-01T00:00:00Z"},
+          {"apiVersion": "", "kind": ""}]  # a short valid instance of each: the certificate is no longer
 
 
 @pytest.mark.parametrize("schema", HARD, ids=["unanchored", "anchored", "exclusive", "format", "required"])
@@ -355,4 +359,5 @@ def test_the_start_certificate_is_found_and_valid(tok, schema, engine):
     m = c.matcher()
     assert all(m.accept(t) for t in cert) and m.is_terminated()  # certified by the engine itself
     assert _validator(schema)(_text(tok, cert)), _text(tok, cert)
+    assert len(cert) <= len(tok.encode(json.dumps(_SHORT[HARD.index(schema)], separators=(",", ":")))) + 1
     assert shortest_match("wifi") == "wifi" and re.fullmatch(r"[a-z]+/[0-9]+", shortest_match("^[a-z]+/[0-9]+$"))

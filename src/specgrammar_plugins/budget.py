@@ -305,8 +305,11 @@ class CertifiedBudget(Budget):
         order = list(_PRIORITY) + [b for b in range(256) if b not in _PRIORITY and b not in _WHITESPACE]
         self.prefer = [single[b] for b in order if b in single]
         self.prefer_in_string = [single[b] for b in [0x22, *[b for b in order if b != 0x22]] if b in single]
-        ends = b'}],"'
+        # inside a number: its end first, then a non-zero digit (0.000... is longer than 0.1 or 1)
+        ends = b'}],"123456789'
         self.digits = frozenset(single[b] for b in b"0123456789" if b in single)
+        self.enders = [single[b] for b in b'}],' if b in single] + [s for s in self.stops if s < tok.vocab_size]
+        self._probe = np.zeros(mask_words(tok.vocab_size), dtype=np.int32)
         self.prefer_after_digit = [single[b] for b in [*ends, *[b for b in order if b not in ends]] if b in single]
         self.blanks = [single[b] for b in _WHITESPACE if b in single]
         schema = compiled.spec.schema if compiled.spec.kind == "json_schema" else None
@@ -418,8 +421,11 @@ class CertifiedBudget(Budget):
             allowed = [t for t in self.prefer_in_string if mask_allows(row, t)]
             if allowed and allowed[0] == self.prefer_in_string[0]:
                 return [allowed[0]]
-            for text in self.strings:  # a value the schema's patterns and formats accept, and its closing quote
-                ids = self.spell(text)
+            cur = bytes(scan.str_buf)
+            for text in self.strings:  # a value the schema's patterns and formats accept (what is left of it
+                if not text.startswith(cur):  # after the string so far), and its closing quote
+                    continue
+                ids = self.spell(text[len(cur):])
                 if ids and mask_allows(row, ids[0]):
                     g = f.fork()
                     if all(g.accept(t) for t in ids):
@@ -427,12 +433,19 @@ class CertifiedBudget(Budget):
             if allowed:
                 return [min(allowed, key=lambda t: used.get(t, 0))]
         else:  # the closers, then the shortest values; after a digit the number's end before more digits
-            order = self.prefer_after_digit if chr(scan.last).isdigit() else self.prefer
+            order = self.prefer_after_digit if chr(scan.last).isdigit() or scan.last == 0x2E else self.prefer
             allowed = [t for t in order if mask_allows(row, t)]
             if allowed:
                 digits = [t for t in allowed if t in self.digits]
                 if allowed[0] in self.digits and used.get(allowed[0], 0) >= 8:  # 0.000... going nowhere
                     return [min(digits, key=lambda t: used.get(t, 0))]
+                if allowed[0] in self.digits and len(digits) > 1:  # a digit after which the number may end
+                    for t in digits:
+                        g = f.fork()
+                        g.accept(t)
+                        g.fill_mask(self._probe)
+                        if any(mask_allows(self._probe, e) for e in self.enders):
+                            return [t]
                 return [allowed[0]]
         for w in np.flatnonzero(row).tolist():
             word = int(row.view(np.uint32)[w])

@@ -242,9 +242,10 @@ def regular_form(spec: ConstraintSpec) -> str | None:
 # ------------------------------------------------------------------------------------------- CFG: an estimate
 class _Scan:
     """Incremental scanner of JSON-ish text: open containers/strings, what is owed next (a value after ':' or an
-    array ',', a key after an object ',', the ':' after a key), per open object the keys seen, and the last byte."""
+    array ',', a key after an object ',', the ':' after a key), per open object the keys seen, the last byte and
+    the open string's bytes so far (``str_buf``)."""
 
-    __slots__ = ("stack", "in_str", "esc", "key_buf", "expect_key", "owed_value", "need_colon", "last")
+    __slots__ = ("stack", "in_str", "esc", "key_buf", "expect_key", "owed_value", "need_colon", "last", "str_buf")
 
     def __init__(self):
         self.stack: list[list] = []  # [kind, keys_seen(set) or None]
@@ -255,6 +256,7 @@ class _Scan:
         self.owed_value = False
         self.need_colon = False
         self.last = 0
+        self.str_buf = bytearray()
 
     def copy(self) -> "_Scan":
         c = _Scan.__new__(_Scan)
@@ -262,6 +264,7 @@ class _Scan:
         c.in_str, c.esc, c.expect_key = self.in_str, self.esc, self.expect_key
         c.owed_value, c.need_colon, c.last = self.owed_value, self.need_colon, self.last
         c.key_buf = bytearray(self.key_buf) if self.key_buf is not None else None
+        c.str_buf = bytearray(self.str_buf)
         return c
 
     def feed(self, data: bytes) -> None:
@@ -269,6 +272,8 @@ class _Scan:
             self.last = data[-1]
         for b in data:
             if self.in_str:
+                if b != 0x22 or self.esc:
+                    self.str_buf.append(b)
                 if self.esc:
                     self.esc = False
                 elif b == 0x5C:
@@ -287,6 +292,7 @@ class _Scan:
                 continue
             if b == 0x22:
                 self.in_str = True
+                self.str_buf = bytearray()
                 self.key_buf = bytearray() if self.expect_key else None
                 self.expect_key = False
                 self.owed_value = False
