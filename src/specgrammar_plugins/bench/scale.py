@@ -23,7 +23,7 @@ round costs:
     projected speedup       =  plain / speculative
 
 t(n): the target's forward over n tokens (measured here); t_draft(1): one token of a draft model at
-``--draft-shape`` (a quarter of the 0.5B shape's hidden size and layers, same vocabulary: measured here; zero for
+``DRAFT_SHAPE`` (a quarter of the 0.5B shape's hidden size and layers, same vocabulary: measured here; zero for
 forced tokens and recipe packs, which draft without a model); host(k): the loop's own work per round at the real
 vocabulary with k drafts (``bench overhead``'s JSON, ``--overhead``, default ``bench-out/overhead/overhead.json``,
 greedy, the fast numpy backend; host(0) is plain decoding's, one mask and one argmax; 0 when absent, and said so).
