@@ -112,6 +112,8 @@ _NEEDS_TYPE = {"xgrammar": frozenset({"minItems", "maxItems", "items", "prefixIt
                                       "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
                                       "exclusiveMaximum", "required", "properties", "additionalProperties"})}
 _NO_ID_REFS = frozenset({"xgrammar"})
+# outlines-core 0.2.14 reads {"properties": {"a": false}} ("a" must be absent) as no constraint: {"a": true} passes
+_NO_FALSE_PROPERTIES = frozenset({"outlines_core"})
 # keyword -> siblings beside which the engine ignores it (xgrammar 0.2.8 logs "pattern combined with
 # minLength/maxLength is not supported; ignoring minLength/maxLength" and accepts "aa" for {pattern: "^a+$",
 # minLength: 3}; a warning it logs that this table misses is refused at compile time, see xgrammar_engine)
@@ -146,6 +148,9 @@ def check_schema(schema: Any, engine: str, origins: dict[int, str] | None = None
             continue
         if kw == "minProperties" and _extra_keys_repeat(owner, val):
             rep.unsupported.append(("minProperties (counting keys that may repeat)", ptr))
+            continue
+        if kw == "properties" and engine in _NO_FALSE_PROPERTIES and isinstance(val, dict) and False in val.values():
+            rep.unsupported.append(("properties (a property that must be absent: false)", ptr))
             continue
         if kw == "$ref" and has_id:
             rep.unsupported.append(("$ref (with $id base URIs)", ptr))
