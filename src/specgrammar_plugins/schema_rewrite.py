@@ -312,6 +312,8 @@ class _Rewriter:
                      self._unique_items):
             noted = len(self.rewrites)
             new = step(out, ptr)
+            if new is out:
+                continue
             if isinstance(new, dict) and _branches(new) > max(MAX_BRANCHES, _branches(out)):
                 # the engines would expand the intersection of these anyOfs into this many alternatives
                 # (llguidance: a parser row past its limit while matching): not rewritten
@@ -330,6 +332,8 @@ class _Rewriter:
         keyword no engine enforces -> ``enum`` of the values that pass it, as jsonschema judges them (the schema as
         given, its declared draft).  Left alone where a format is involved (whether jsonschema checks one depends
         on optional packages) or where a $ref points inside."""
+        if "enum" not in s and "const" not in s and "allOf" not in s:
+            return s
         orig = self.original(ptr)
         if not isinstance(orig, dict):
             return s

@@ -107,16 +107,19 @@ def grammar_text(spec: ConstraintSpec, options: dict) -> str:
     if spec.kind in ("regex", "choice"):
         body = f"start: /{llg.regex_to_lark(ascii_shorthands(spec.as_regex()))}/"
     elif spec.kind in ("json_schema", "json"):
-        if spec.kind == "json":
-            schema = {"type": "object"} if spec.option("object_only") else {}
-        else:
-            schema = spec.schema
-        if isinstance(schema, bool):
-            schema = {} if schema else {"not": {}}
         overrides = _json_overrides(spec, options)
-        if overrides:
-            schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **overrides}}
-        body = "start: %json " + json.dumps(schema)
+        if spec.kind == "json_schema" and not overrides and spec.value.startswith("{"):
+            body = "start: %json " + spec.value  # already compact JSON: no second parse and dump of a large schema
+        else:
+            if spec.kind == "json":
+                schema = {"type": "object"} if spec.option("object_only") else {}
+            else:
+                schema = spec.schema
+            if isinstance(schema, bool):
+                schema = {} if schema else {"not": {}}
+            if overrides:
+                schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **overrides}}
+            body = "start: %json " + json.dumps(schema)
     elif spec.syntax == "lark":
         body = spec.value
     else:  # gbnf / ebnf: llguidance converts llama.cpp's dialect to Lark
