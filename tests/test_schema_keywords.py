@@ -5,10 +5,8 @@ is ours).  An instance counts as accepted if its compact or spaced serialization
 matcher can then end.  Engines run on the bundled tiny model's byte-level tokenizer (no shared data needed)."""
 
 import copy
-import json
 
 import pytest
-
 from jsonschema import Draft202012Validator
 
 from schema_instances import format_checker, instances, oracle
@@ -53,6 +51,8 @@ PROBES = [
     ("maxLength", {"type": "string", "pattern": "^[a-z]*$", "maxLength": 2}, ["ab", "abc"]),
     ("pattern", {"type": "string", "pattern": "^a+b?$"}, ["a", "aab", "ba", "abb"]),
     ("pattern", {"pattern": "^a+$"}, ["a", "b"]),
+    ("pattern", {"type": "string", "pattern": "^[0-9](x[0-9]+)?Z$"}, ["0Z", "0x5Z", "01Z", "0xZ"]),
+    ("type", {"type": "object", "enum": ["a", {"x": 1}]}, []),
     ("maxItems", {"type": "array", "maxItems": 2}, []),
     ("minItems", {"type": "array", "minItems": 2}, []),
     ("minItems", {"minItems": 2}, []),

@@ -90,6 +90,8 @@ CASES = [
                                                       {"not": {"type": "integer", "multipleOf": 2}},
                                                       {"oneOf": [{"type": "string"}, {"maxLength": 1}]}]},
      "not", None, []),
+    ("enum beside a type some values lack", {"type": ["object", "null"], "enum": ["A", None, {"a": 1}, 2]}, "type",
+     None, []),
     ("uniqueItems with at most one item", {"type": "array", "maxItems": 1, "uniqueItems": True}, "uniqueItems",
      None, [[1], [1, 1]]),
 ]

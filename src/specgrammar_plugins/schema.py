@@ -43,8 +43,9 @@ ENFORCED: dict[str, frozenset[str]] = {
     # all-required properties); see its json README.  Its oneOf (taken only when provably equal to anyOf) is left
     # to schema_rewrite, which proves more and turns it into anyOf, so what is left is refused with its pointer
     "llguidance": _COMMON | {"multipleOf", "patternProperties", "minProperties", "maxProperties"},
-    # xgrammar 0.2.8 does not intersect allOf branches (MaskBench Github_easy---o58616: invalid instances accepted)
-    "xgrammar": _COMMON - {"allOf"},
+    # xgrammar 0.2.8 does not intersect allOf branches (MaskBench Github_easy---o58616: invalid instances accepted),
+    # and its JSON Schema pattern is not the regex: "^[0-9](x[0-9]+)?Z$" takes "01Z" (its regex constraints do not)
+    "xgrammar": _COMMON - {"allOf", "pattern"},
     # outlines-core 0.2.14's prefixItems accepts no instance at all ([1] for prefixItems [{type: integer}])
     "outlines_core": frozenset({"type", "enum", "const", "properties", "required", "items", "minItems",
                                 "maxItems", "anyOf", "$ref", "pattern", "minLength", "maxLength", "format"}),

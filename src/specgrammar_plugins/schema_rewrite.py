@@ -22,8 +22,16 @@ rewrite is left as it is, and strict mode then refuses it with its pointer (``sc
 - ``if``/``then``/``else`` -> ``anyOf`` (``if`` without ``then``: ``anyOf [if, else]``; otherwise ``not if`` must
   negate exactly);
 - ``minProperties``/``maxProperties`` on an object whose property set is finite (``additionalProperties: false``,
-  no ``patternProperties``) -> ``anyOf`` over which optional properties are present (at most 64 branches);
-- ``uniqueItems`` where at most one item is allowed -> dropped.
+  no ``patternProperties``) -> ``anyOf`` over which optional properties are present (at most 64 branches; left to
+  an engine that counts keys itself: ``native``);
+- ``uniqueItems`` where at most one item is allowed -> dropped;
+- a finite domain (``enum``/``const``, here or in an ``allOf`` member) holding a keyword no engine enforces ->
+  ``enum`` of the values that pass, as jsonschema judges them; ``enum`` beside a ``type`` some values lack ->
+  the values of that type.
+
+A rewrite never moves what a local ``$ref`` points into, and one whose ``anyOf``s would intersect into more than 64
+alternatives (llguidance expands them; past its parser limits it fails while matching) is not made.  Schemas with
+a nested ``$id`` (draft-04: ``id``) and ``$ref``s are left as they are (their refs resolve against other bases).
 """
 
 from __future__ import annotations
@@ -307,7 +315,7 @@ class _Rewriter:
                            for n, sub in v.items()}
             else:
                 out[kw] = v
-        for step in (self._finite_domain, self._ref_siblings, self._tuple_items, self._dependencies, self._draft4_exclusive,
+        for step in (self._finite_domain, self._enum_type, self._ref_siblings, self._tuple_items, self._dependencies, self._draft4_exclusive,
                      self._format, self._not, self._if, self._one_of, self._property_counts,
                      self._unique_items):
             noted = len(self.rewrites)
@@ -361,6 +369,21 @@ class _Rewriter:
         if not keep:
             return False
         return {**{k: v for k, v in s.items() if k in ANNOTATIONS}, "enum": keep}
+
+    def _enum_type(self, s: dict, ptr: str) -> Any:
+        """``enum``/``const`` beside a ``type`` some of its values do not have -> ``enum`` of those that do
+        (xgrammar 0.2.8 reads the enum and drops the type: {"type": "object", "enum": ["A"]} took "A")."""
+        vals = _values(s)
+        a = atoms(s["type"]) if "type" in s else None
+        if vals is None or a is None:
+            return s
+        keep = [v for v in vals if _atom_of(v) in a]
+        if len(keep) == len(vals):
+            return s
+        self.note("type", f"{ptr}/type", f"enum of the {len(keep)} of {len(vals)} values of that type")
+        if not keep:
+            return False
+        return {**{k: v for k, v in s.items() if k not in ("type", "enum", "const")}, "enum": keep}
 
     def original(self, ptr: str) -> Any:
         """The sub-schema at JSON pointer ``ptr`` in the schema as given (None when there is none)."""
