@@ -170,6 +170,9 @@ class CompiledConstraint:
 
     # set by the compiler for a spec with a trigger: ``wrap(compiled, inner) -> Matcher`` (``trigger.TriggeredMatcher``)
     wrap: Any = field(default=None, repr=False)
+    # the exact rewrites applied to a JSON Schema before the engine compiled it (``schema_rewrite.Rewrite``s);
+    # ``spec`` is then the rewritten schema's spec (for a spec with a trigger: the request's)
+    rewrites: tuple = ()
 
     def matcher(self) -> Matcher:
         m = self.make_matcher(self)
