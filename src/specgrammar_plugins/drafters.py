@@ -26,6 +26,14 @@ from .distributions import SamplingParams, log_law, sample
 from .prefix import common_prefix_len
 
 
+def whole_utf8(data: bytes) -> str:
+    """The longest prefix of ``data`` made of whole UTF-8 characters, decoded (invalid bytes end it too)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return data[: e.start].decode("utf-8")
+
+
 class ForcedDrafter:
     """Tokens the grammar forces next, then the tokenized jump-forward string (each one a one-hot draft)."""
 
@@ -40,12 +48,11 @@ class ForcedDrafter:
         forced = block.matcher.forced()
         toks = list(forced.tokens)
         if not toks and forced.text and self.encode is not None:
-            try:
-                # the string's last token may merge with the text that follows it (forced 'age"' then ':' is
-                # tokenized 'age' '":' by the model), so a draft of it would be rejected: propose the others
-                toks = self.encode(forced.text.decode("utf-8"))[:-1]
-            except UnicodeDecodeError:
-                toks = []
+            # the string's last token may merge with the text that follows it (forced 'age"' then ':' is
+            # tokenized 'age' '":' by the model), so a draft of it would be rejected: propose the others.  Forced
+            # bytes may end inside a UTF-8 sequence (the branch point of "👍"/"👎"): only whole characters are
+            # tokenized, never a partial sequence decoded
+            toks = self.encode(whole_utf8(forced.text))[:-1]
         n = 0
         for t in toks[:budget]:
             if not block.push(t, None, "forced"):
