@@ -358,3 +358,47 @@ def test_a_recursion_error_is_a_constraint_error(toy_tok, monkeypatch):
         ConstraintSpec.json_schema(_nested_schema(5000))
     with pytest.raises(ConstraintError, match="RecursionError|nests too deeply"):
         compile_constraint(ConstraintSpec.regex("(" * 3000 + "a" + ")" * 3000), toy_tok, engine="dfa", cache=None)
+
+
+def test_a_request_names_recipe_packs_and_opens_no_other_file(tmp_path, monkeypatch):
+    """``specgrammar.recipe`` read /etc/passwd (issue 22, finding 6): a request names a pack in the server's pack
+    folder or a shipped one; names that are paths are refused without any file being opened (or listed)."""
+    import os
+    import sys
+
+    from specgrammar_plugins.errors import RequestError
+    from specgrammar_plugins.recipes import RecipePackError, resolve_name, shipped_packs
+    from specgrammar_plugins.requests import parse_request
+
+    packs = tmp_path / "packs"
+    packs.mkdir()
+    (packs / "mine.json").write_text("{}")
+    (tmp_path / "outside.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)  # a name must not find ./outside.json either
+    opened: list[str] = []
+
+    def audit(event, args):
+        if event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], (str, bytes, os.PathLike)):
+            opened.append(os.fsdecode(args[0]))
+
+    parse_request({"specgrammar": {"recipe": "mine"}})  # (imports done before the hook watches)
+    sys.addaudithook(audit)  # (audit hooks cannot be removed: this one only appends to a list)
+
+    def outside(paths):  # anything opened or listed that is not the pack folder (or below it)
+        return [p for p in paths if "passwd" in p or "outside" in p or "hidden" in p
+                or (p.startswith(str(tmp_path)) and not p.startswith(str(packs)))]
+
+    for name in ("/etc/passwd", "../outside", "../outside.json", "packs/mine", "./mine", ".hidden", "..",
+                 "mine/../../outside", "C:\\x", "", "a" * 200):
+        opened.clear()
+        with pytest.raises(RequestError, match="specgrammar.recipe must be the name of a recipe pack"):
+            parse_request({"specgrammar": {"recipe": name}})
+        with pytest.raises(RecipePackError, match="not a pack name"):
+            resolve_name(name, packs)
+        assert not outside(opened), (name, opened)
+    opened.clear()
+    with pytest.raises(RecipePackError, match="not found"):
+        resolve_name("outside", packs)  # a name, but not in the pack folder: ./outside.json is not looked at
+    assert resolve_name("mine", packs) == packs / "mine.json"
+    assert resolve_name("json_extraction", packs) == shipped_packs()["json_extraction"]
+    assert opened and not outside(opened), opened
