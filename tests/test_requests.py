@@ -220,3 +220,13 @@ def test_the_gate_bounds_the_body_nesting():
         deep = [deep]
     with pytest.raises(RequestError, match="nests more than 136 levels deep"):
         check_request({"messages": MSG, "metadata": deep}, _host())
+
+
+def test_the_gate_refuses_an_empty_language_without_compiling():
+    """vLLM compiles a request's grammar in its own backend, so the launcher's gate refuses what is certainly empty
+    (structurally, no engine run): otherwise the request would generate to max_tokens."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    with pytest.raises(ConstraintError, match="no finite JSON value"):
+        check_request({"messages": MSG, "structured_outputs": {"json": schema}}, Host("the vLLM launcher"))
+    with pytest.raises(ConstraintError, match="matches no string"):
+        check_request({"messages": MSG, "regex": "a{0}b[^\\x00-\\U0010FFFF]"}, Host("the vLLM launcher"))

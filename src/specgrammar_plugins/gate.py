@@ -12,7 +12,8 @@ constraint, the ``specgrammar`` options, the prompt's length in tokens, the effe
   num_draft_tokens, penalties, ``logit_bias`` (token ids inside the vocabulary), ``stop``, ``stream``,
   ``stream_options``; fields the host cannot honour are refused rather than ignored (``n > 1`` where one
   choice comes back; ``specgrammar`` options the host does not apply; fields the server fixes at start-up);
-- the constraint and the ``specgrammar`` options (``requests.parse_request``: unknown keys, recipe names), and a
+- the constraint and the ``specgrammar`` options (``requests.parse_request``: unknown keys, recipe names), a
+  constraint whose language is certainly empty (``emptiness.check_not_empty``, structural: no compile), and a
   constraint together with ``stop`` strings (a stop string inside the structured output would cut it invalid);
 - the prompt (``prompt`` / ``messages`` shapes) and its length against the model's context: first a bound that
   costs nothing (a token spells at most ``max_token_bytes`` bytes, so a prompt of B bytes is at least
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .constraint import ConstraintSpec
+from .emptiness import check_not_empty
 from .errors import RequestError
 from .nesting import MAX_BODY_NESTING, json_depth
 from .requests import MAX_K, OPTION_KEYS, SpecOptions, is_int, is_number, parse_request
@@ -257,6 +259,8 @@ def check_request(body: Any, host: Host, *, host_constraint: bool = False) -> Ch
     if refused:
         _bad(f"specgrammar.{refused[0]}", f"is not applied by {host.name} (it applies: "
              f"{', '.join(k for k in OPTION_KEYS if k in host.honours) or 'none'})")
+    if spec is not None:  # cheap and structural: refused here too where the host compiles it elsewhere (vLLM)
+        check_not_empty(spec)
     if (spec is not None or host_constraint) and stops:
         _bad("stop", "cannot be combined with a constraint: a stop string inside the structured output would cut "
              "it short and invalid (the grammar ends the output itself)")
