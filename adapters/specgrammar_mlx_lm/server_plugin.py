@@ -138,7 +138,6 @@ class _Counter:
     of the server's tokenizer (the generation thread's own is not shared across threads), one at a time."""
 
     def __init__(self, tokenizer, cli_args):
-        self.source = tokenizer
         self.tok = copy.deepcopy(tokenizer)
         self.template_args = dict(getattr(cli_args, "chat_template_args", None) or {})
         self.lock = threading.Lock()
