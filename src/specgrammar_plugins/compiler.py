@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from .constraint import CompiledConstraint, ConstraintSpec, canonical_json
 from .errors import ConstraintError
+from .nesting import constraint_depth, too_deep
 from .tokenizer import TokenizerInfo
 
 
@@ -83,7 +84,8 @@ def default_engine(spec: ConstraintSpec) -> str:
 class Limits:
     """Process-wide limits, configurable by environment (``SPECGRAMMAR_MAX_CONSTRAINT_BYTES``,
     ``SPECGRAMMAR_COMPILE_TIMEOUT_S``, ``SPECGRAMMAR_COMPILE_ISOLATION``) or by assigning
-    ``constraint.LIMITS.<name>``.
+    ``constraint.LIMITS.<name>``.  How deeply a constraint may nest: ``nesting.MAX_NESTING``
+    (``SPECGRAMMAR_MAX_NESTING``, 128).
 
     compile_timeout_s: a compile that takes longer is abandoned: the request gets a ``ConstraintError`` at once.
     With ``engine="auto"`` every engine but the last gets ``auto_try_s`` before the next is tried.
@@ -118,12 +120,14 @@ def _compile_with_timeout(eng, spec, tokenizer, options, timeout: float):
         prepare(tokenizer)
     if timeout is None or timeout <= 0:
         return eng.compile(spec, tokenizer, options)
+    if LIMITS.compile_isolation not in ("process", "thread"):
+        raise ConstraintError(f"compile_isolation must be 'process' or 'thread', got {LIMITS.compile_isolation!r}")
     if LIMITS.compile_isolation == "process" and getattr(eng, "isolate", False):
         from .compile_worker import POOL
 
         return POOL.compile(eng, spec, tokenizer, options, timeout)
-    if LIMITS.compile_isolation != "thread":
-        raise ConstraintError(f"compile_isolation must be 'process' or 'thread', got {LIMITS.compile_isolation!r}")
+    # a thread: the "thread" setting, or an engine with limits of its own (llguidance) under "process", which
+    # compiles in-process by design (it used to fall through to the error above: "got 'process'")
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -174,6 +178,17 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: s
     if size > LIMITS.max_constraint_bytes:
         raise ConstraintError(f"the constraint is {size} bytes; the limit is {LIMITS.max_constraint_bytes} "
                               "(SPECGRAMMAR_MAX_CONSTRAINT_BYTES)", engine=engine, kind=spec.kind)
+    why = too_deep(f"the {spec.kind}", constraint_depth(spec.kind, spec.value, spec.syntax))
+    if why:  # engines and our walkers recurse per level: bounded before any of them runs
+        raise ConstraintError(why, engine=engine, kind=spec.kind)
+    try:
+        return _compile_checked(spec, tokenizer, engine, cache, _timeout, options)
+    except RecursionError:  # a shape the nesting bound does not measure: still a refusal, never a crash
+        raise ConstraintError("the constraint nests too deeply to compile", engine=engine, kind=spec.kind) from None
+
+
+def _compile_checked(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str, cache: CompileCache | None,
+                     _timeout: float | None, options: dict) -> CompiledConstraint:
     from .emptiness import check_not_empty
 
     check_not_empty(spec, engine)  # a language with no string at all: refused before any engine runs

@@ -234,7 +234,7 @@ class XGrammarMatcher:
         if self.book.terminated:
             return Forced()
         chain = forced_from_masks(self, self.tok)
-        text = self.gm.find_jump_forward_string().encode("utf-8")
+        text = self.jump_forward()
         if len(chain.text) > len(text):
             text = chain.text
         return Forced(chain.tokens, text)
@@ -244,7 +244,10 @@ class XGrammarMatcher:
             return b""
         try:
             return self.gm.find_jump_forward_string().encode("utf-8")
-        except UnicodeDecodeError:  # xgrammar 0.2.8 hands the string over as str: one ending mid-character fails
+        except UnicodeDecodeError:
+            # xgrammar 0.2.8 returns the jump-forward string as a Python str, and raises when the forced bytes end
+            # inside a UTF-8 sequence (a choice of "👍"/"👎" forces F0 9F 91 and then branches): no jump-forward
+            # string then (``forced()`` still has the mask chain's bytes; tests/test_unicode.py)
             return b""
 
     # the raw engine call, for overhead measurements
