@@ -36,7 +36,7 @@ if not (TARGET / "model.safetensors").exists():
     pytest.skip("the tiny target model is not in the tree (issue 3)", allow_module_level=True)
 
 from specgrammar_vllm.offline import (  # noqa: E402
-    make_llm, proposer_of, runner_of, sampling_params, scheduler_of, spec_metrics)
+    make_llm, metrics_delta, proposer_of, runner_of, sampling_params, scheduler_of, spec_metrics)
 
 K = 4
 N_PER_WORKLOAD = 2
@@ -113,8 +113,8 @@ def _run(llm, proposer, prompts, params):
     before, counters_before = spec_metrics(llm), dict(proposer.counters)
     outs = llm.generate(prompts, params, use_tqdm=False)
     after, counters_after = spec_metrics(llm), dict(proposer.counters)
-    return outs, {k: after[k] - before[k] for k in after}, {k: counters_after[k] - counters_before[k]
-                                                             for k in counters_after}
+    return outs, metrics_delta(before, after), {k: counters_after[k] - counters_before[k]
+                                                for k in counters_after}
 
 
 def _batch():

@@ -86,12 +86,19 @@ class _Row:
 
 
 class _Step:
-    __slots__ = ("rows", "k", "pos")
+    __slots__ = ("rows", "k", "pos", "tokens", "probs")
 
     def __init__(self, rows: list[_Row | None], k: int):
         self.rows = rows
         self.k = k
         self.pos = 0
+        self.tokens: list = []  # per drafted position: the [B] draft tokens (device tensor)
+        self.probs: list = []  # per drafted position: their [B, V] probabilities, or None (argmax drafts)
+
+
+class _EnoughDrafts(Exception):
+    """Raised from the drafting loop when no request needs the draft model at a later position: every draft
+    left is a host draft or nothing, so the remaining draft-model passes are skipped."""
 
 
 class GrammarDraftProposer(DraftModelProposer):
@@ -138,10 +145,13 @@ class GrammarDraftProposer(DraftModelProposer):
             self.grammar.fault("starting a draft step", e)
             self._step = None
         self.grammar.timing_ns["grammar"] += time.perf_counter_ns() - t0
+        step = self._step
         try:
             drafts = super().propose(num_speculative_tokens, *args, **kwargs)
+        except _EnoughDrafts:
+            drafts = self._assemble(step)
         finally:
-            step, self._step = self._step, None
+            self._step = None
         if step is not None:
             t0 = time.perf_counter_ns()
             try:
@@ -174,13 +184,22 @@ class GrammarDraftProposer(DraftModelProposer):
         else:
             tokens, probs = self._sample_from_logits(logits, sampling_metadata)
         t2 = time.perf_counter_ns()
+        enough = False
         try:
             self._advance(step, tokens.tolist())
+            step.tokens.append(tokens)
+            step.probs.append(probs)
+            step.pos += 1
+            enough = step.pos < step.k and not self._needs_model(step)
         except Exception as e:
             self.grammar.fault(f"reading draft position {step.pos}", e)
             self._end_grammar(step)
-        step.pos += 1
+            step.pos = len(step.tokens)
         self.grammar.timing_ns["grammar"] += (t1 - t0) + (time.perf_counter_ns() - t2)
+        self.grammar.counters["draft_passes"] += 1
+        if enough:
+            self.grammar.counters["draft_passes_skipped"] += step.k - step.pos  # skip the draft-model passes nobody needs (propose() assembles the drafts)
+            raise _EnoughDrafts
         return tokens, probs
 
     # ------------------------------------------------------------------ one draft step
@@ -212,7 +231,7 @@ class GrammarDraftProposer(DraftModelProposer):
                 rows.append(_Row(req_id, st, block))
             except Exception as e:  # this request drafts as vLLM's own
                 g.fault("starting its draft step", e, req_id)
-                rows.append(None)
+                rows.append(_Row(req_id, None, None))
         return _Step(rows, k)
 
     def _masks(self, step: _Step, num_rows: int) -> bool:
@@ -266,6 +285,55 @@ class GrammarDraftProposer(DraftModelProposer):
             if r.real == j and len(b.tokens) > j and b.tokens[j] == t:
                 r.real += 1
 
+    def _needs_model(self, step: _Step) -> bool:
+        """Whether any request needs a draft-model token at position ``step.pos`` or later: one without grammar
+        drafts (vLLM's own drafting), or one whose host chain stops before its block is done."""
+        p = step.pos
+        for r in step.rows:
+            if r is None:  # a partial prefill: vLLM ignores its drafts
+                continue
+            b = r.block
+            if b is None:
+                if r.st is None or not r.st.grammar:
+                    return True
+                continue
+            if len(b.tokens) <= p and not b.done:
+                fill(b, r.st.drafter)  # what _masks would do first at position p
+            if not b.done:
+                return True
+        return False
+
+    def _assemble(self, step: _Step):
+        """The [B, k] drafts (and ``_last_draft_probs``) when the loop stopped early: the drafted positions, then
+        each block's host drafts (one-hot probabilities), then padding (cut by ``_finish``)."""
+        done = step.pos
+        k = step.k
+        device = step.tokens[0].device
+        rows = []
+        for i, r in enumerate(step.rows):
+            b = r.block if r is not None else None
+            tail = []
+            for p in range(done, k):
+                t = b.tokens[p] if b is not None and p < len(b.tokens) else -1
+                if t >= 0 and r.real == p:
+                    r.real += 1
+                tail.append(max(t, 0))
+            rows.append(tail)
+        drafted = torch.stack(step.tokens, dim=1).to(torch.int64)
+        rest = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        drafts = torch.cat([drafted, rest], dim=1)
+        if any(p is not None for p in step.probs):
+            probs = torch.zeros((drafts.shape[0], k, step.probs[0].shape[-1] if step.probs[0] is not None
+                                 else self._vocab), dtype=torch.float32, device=device)
+            for p, pr in enumerate(step.probs):
+                if pr is not None:
+                    probs[:, p] = pr
+                else:  # argmax drafts at this position: one-hot
+                    probs[:, p].scatter_(1, step.tokens[p].view(-1, 1).to(torch.int64), 1.0)
+            probs[:, done:].scatter_(2, rest.unsqueeze(-1), 1.0)
+            self._last_draft_probs = probs
+        return drafts
+
     def _finish(self, step: _Step, drafts) -> None:
         """Count each request's drafts and cut what follows its real drafts: a -1 ends a structured-output
         request's drafts (vLLM strips it before ``validate_tokens``, structured_output/utils.py:48), so padding
@@ -274,7 +342,7 @@ class GrammarDraftProposer(DraftModelProposer):
         k = drafts.shape[1] if drafts.dim() == 2 else 0
         cut = []
         for i, r in enumerate(step.rows):
-            if r is None:
+            if r is None or r.st is None:
                 continue
             if not r.st.grammar:  # no grammar: the model's drafts, as vLLM's own
                 g.record(r.st, r.req_id, [0] * k, ["model"] * k)

@@ -58,15 +58,30 @@ SPEC_METRICS = {
     "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
     "vllm:generation_tokens": "generation_tokens",
 }
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-def spec_metrics(llm) -> dict[str, float]:
-    """vLLM's own counters (``disable_log_stats=False``): drafts, draft tokens, accepted tokens, generated tokens."""
-    out = {v: 0.0 for v in SPEC_METRICS.values()}
+def spec_metrics(llm) -> dict:
+    """vLLM's own counters (``disable_log_stats=False``): drafts, draft tokens, accepted tokens, generated tokens,
+    and ``accepted_per_pos`` (accepted drafts by draft position)."""
+    out: dict = {v: 0.0 for v in SPEC_METRICS.values()}
+    out["accepted_per_pos"] = []
     for m in llm.get_metrics():
         name = SPEC_METRICS.get(m.name)
         if name is not None and hasattr(m, "value"):
             out[name] += float(m.value)
+        elif m.name == PER_POSITION and getattr(m, "values", None) is not None:
+            vals = [float(v) for v in m.values]
+            acc = out["accepted_per_pos"]
+            out["accepted_per_pos"] = [a + b for a, b in zip(acc + [0.0] * len(vals), vals + [0.0] * len(acc))]
+    return out
+
+
+def metrics_delta(before: dict, after: dict) -> dict:
+    """``spec_metrics`` after minus before (per-position counts too)."""
+    out: dict = {k: after[k] - before[k] for k in SPEC_METRICS.values()}
+    b = before["accepted_per_pos"]
+    out["accepted_per_pos"] = [x - (b[i] if i < len(b) else 0.0) for i, x in enumerate(after["accepted_per_pos"])]
     return out
 
 

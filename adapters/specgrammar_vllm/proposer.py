@@ -53,7 +53,8 @@ log = logging.getLogger("vllm.specgrammar")
 _INSTANCES: "weakref.WeakSet[GrammarStates]" = weakref.WeakSet()
 DEFAULT_DRAFTERS = ("forced", "recipe")
 COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
-            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "proposer_errors")
+            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "proposer_errors",
+            "draft_passes", "draft_passes_skipped")
 MOVED_DRAFT_MODEL = (
     "the specgrammar option 'draft_model' is gone: give the draft model to vLLM instead, "
     "--speculative-config '{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K}' "
