@@ -128,6 +128,7 @@ class GrammarStates:
         self.accepted_by_position = [0] * self.k
         self.timing_ns = {"grammar": 0}  # host work of the grammar drafts (benchmarks read it)
         self.last_drafted: dict[str, int] = {}  # request id -> drafts proposed at its last step (tests)
+        self._faulted: set[str] = set()  # requests whose drafting faulted (logged once)
         self._logged_at = time.monotonic()
         _INSTANCES.add(self)
 
@@ -238,14 +239,19 @@ class GrammarStates:
             for r in [r for r in self._states if r not in live]:
                 del self._states[r]
                 self.last_drafted.pop(r, None)
+                self._faulted.discard(r)
 
     def fault(self, where: str, e: BaseException, req_id: str | None = None) -> None:
-        """A fault in our own drafting: the request (or the step) gets no grammar drafts, the engine goes on."""
+        """A fault in our own drafting: the request (or the step) gets no grammar drafts, the engine goes on.
+        Logged once per request (with the traceback for the first few)."""
         self.counters["proposer_errors"] += 1
-        log.warning("specgrammar: %s failed (%s: %s)%s; no grammar drafts there", where, type(e).__name__, e,
-                    f" for request {req_id}" if req_id else "", exc_info=self.counters["proposer_errors"] <= 3)
-        if req_id is not None and req_id in self._states:
-            self._states[req_id].history = None
+        if req_id is None or req_id not in self._faulted:
+            log.warning("specgrammar: %s failed (%s: %s)%s; no grammar drafts there", where, type(e).__name__, e,
+                        f" for request {req_id}" if req_id else "", exc_info=self.counters["proposer_errors"] <= 3)
+        if req_id is not None:
+            self._faulted.add(req_id)
+            if req_id in self._states:
+                self._states[req_id].history = None
 
     def maybe_log(self) -> None:
         """One INFO line with the draft counts by source, at most every ``VLLM_LOG_STATS_INTERVAL`` seconds
@@ -359,8 +365,13 @@ class GrammarProposer(GrammarStates):
             if req_id is None or not sampled:  # a prefill chunk, or nothing sampled: no drafts
                 out.append([])
                 continue
-            st = self.state(req_id, requests.get(req_id))
-            self.observe(st, len(sampled))
+            try:
+                st = self.state(req_id, requests.get(req_id))
+                self.observe(st, len(sampled))
+            except Exception as e:  # a fault in our part: no drafts for this request, the engine goes on
+                self.fault("reading its request", e, req_id)
+                out.append([])
+                continue
             n = int(num_tokens_no_spec[i])
             if st.history is None or n >= self.max_model_len:
                 out.append([])
