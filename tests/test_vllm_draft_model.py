@@ -29,29 +29,11 @@ if not (tiny_path("target") / "model.safetensors").exists():
     pytest.skip("the tiny target model is not in the tree (issue 3)", allow_module_level=True)
 
 from specgrammar_vllm.offline import (  # noqa: E402
-    make_llm, metrics_delta, proposer_of, runner_of, scheduler_of, spec_metrics)
+    count_truncations, make_llm, metrics_delta, proposer_of, runner_of, spec_metrics)
 
 K = 4
 N_SCHEMAS = 8
 MAX_TOKENS = 64
-
-
-def _truncations(llm):
-    """Draft tokens vLLM's scheduler drops as grammar-invalid (``validate_tokens``; -1 padding is not a draft)."""
-    som = scheduler_of(llm).structured_output_manager
-    seen = SimpleNamespace(tokens=0, truncated=0)
-    original = som.validate_tokens
-
-    def counting(request, spec_tokens):
-        out = original(request, spec_tokens)
-        if request.use_structured_output:
-            drafts = [t for t in spec_tokens if t >= 0]
-            seen.tokens += len(drafts)
-            seen.truncated += len(drafts) - len(out)
-        return out
-
-    som.validate_tokens = counting
-    return seen
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +71,7 @@ def runs(schemas):
         drafter = runner_of(llm).drafter
         assert isinstance(drafter, GrammarDraftProposer)
         assert (drafter.grammar is not None) == (name == "ours")  # blind: vLLM's own drafting, untouched
-        seen = _truncations(llm)
+        seen = count_truncations(llm)
         r = _run(llm, prompts, params)
         r.truncations, r.llm = seen, llm
         setattr(out, name, r)  # (every engine stays referenced: a freed one tears down vLLM's process groups)

@@ -36,30 +36,11 @@ if not (TARGET / "model.safetensors").exists():
     pytest.skip("the tiny target model is not in the tree (issue 3)", allow_module_level=True)
 
 from specgrammar_vllm.offline import (  # noqa: E402
-    make_llm, metrics_delta, proposer_of, runner_of, sampling_params, scheduler_of, spec_metrics)
+    count_truncations, make_llm, metrics_delta, proposer_of, runner_of, sampling_params, spec_metrics)
 
 K = 4
 N_PER_WORKLOAD = 2
 MAX_TOKENS = 80
-
-
-def _count_truncations(llm):
-    """Count vLLM's truncations of our drafts (scheduler.update_draft_token_ids -> validate_tokens)."""
-    som = scheduler_of(llm).structured_output_manager
-    seen = SimpleNamespace(calls=0, tokens=0, truncated=0)
-    original = som.validate_tokens
-
-    def counting_validate(request, spec_tokens):
-        out = original(request, spec_tokens)
-        if request.use_structured_output:
-            drafts = [t for t in spec_tokens if t >= 0]
-            seen.calls += 1
-            seen.tokens += len(drafts)
-            seen.truncated += len(drafts) - len(out)
-        return out
-
-    som.validate_tokens = counting_validate
-    return seen
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +52,7 @@ def engines():
     spec = make_llm(TARGET, method="grammar", k=K)
     proposer = proposer_of(spec)
     assert proposer is not None, "the engine did not build GrammarProposer"
-    ns = SimpleNamespace(plain=plain, spec=spec, proposer=proposer, validate=_count_truncations(spec), model=None)
+    ns = SimpleNamespace(plain=plain, spec=spec, proposer=proposer, validate=count_truncations(spec), model=None)
 
     def add_model():
         if ns.model is None:
@@ -82,7 +63,7 @@ def engines():
             drafter = runner_of(ns.model).drafter
             assert isinstance(drafter, GrammarDraftProposer) and drafter.grammar is not None, type(drafter)
             ns.model_proposer = proposer_of(ns.model)
-            ns.model_validate = _count_truncations(ns.model)
+            ns.model_validate = count_truncations(ns.model)
             ns.handed = SimpleNamespace(calls=0, with_probs=0)
             take = drafter.take_last_draft_probs
 

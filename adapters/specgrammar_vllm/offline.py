@@ -108,3 +108,26 @@ def proposer_of(llm):
 def scheduler_of(llm):
     """The scheduler of an in-process engine (tests count ``validate_tokens`` truncations on it)."""
     return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def count_truncations(llm):
+    """From now on, count the draft tokens vLLM's scheduler drops as grammar-invalid
+    (``update_draft_token_ids`` -> ``validate_tokens``; a -1 ends a request's drafts and is no draft): returns the
+    live counts (``calls``, ``tokens``, ``truncated``)."""
+    from types import SimpleNamespace
+
+    som = scheduler_of(llm).structured_output_manager
+    seen = SimpleNamespace(calls=0, tokens=0, truncated=0)
+    original = som.validate_tokens
+
+    def counting_validate(request, spec_tokens):
+        out = original(request, spec_tokens)
+        if request.use_structured_output:
+            drafts = [t for t in spec_tokens if t >= 0]
+            seen.calls += 1
+            seen.tokens += len(drafts)
+            seen.truncated += len(drafts) - len(out)
+        return out
+
+    som.validate_tokens = counting_validate
+    return seen
