@@ -252,6 +252,32 @@ def test_wiring_builds_our_draft_proposer_and_hands_the_runner_to_custom_propose
     assert plain.DraftModelProposer is DraftModelProposer  # vLLM's own, for comparisons
 
 
+def test_hooks_run_when_their_module_is_first_imported(tmp_path, monkeypatch, caplog):
+    """``wiring.install`` runs a hook right after its module is executed (so the API server, which never imports
+    the model runner, imports nothing more), and leaves ``sys.meta_path`` once every hook ran; the Model Runner V2
+    hook warns that its draft model drafts grammar-blind."""
+    (tmp_path / "sg_hooked_a.py").write_text("X = 1\n")
+    (tmp_path / "sg_hooked_b.py").write_text("Y = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    monkeypatch.setattr(wiring, "HOOKS", {"sg_hooked_a": lambda m: seen.append(m.X),
+                                          "sg_hooked_b": lambda m: seen.append(m.Y)})
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, wiring._WireOnImport)])
+    wiring.install()
+    finders = [f for f in sys.meta_path if isinstance(f, wiring._WireOnImport)]
+    assert len(finders) == 1 and seen == []
+    import sg_hooked_a  # noqa: F401
+
+    assert seen == [1] and finders[0] in sys.meta_path
+    import sg_hooked_b  # noqa: F401
+
+    assert seen == [1, 2] and finders[0] not in sys.meta_path
+    monkeypatch.delenv("SPECGRAMMAR_VLLM_DRAFTS", raising=False)
+    with caplog.at_level("WARNING", logger="vllm.specgrammar"):
+        wiring.warn_v2(None)
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in caplog.text
+
+
 def test_the_real_runner_module_is_wired_by_the_plugin():
     """The general plugin (loaded by vLLM) wired the runner module this process imports (or will, on import)."""
     from vllm.plugins import load_general_plugins

@@ -33,6 +33,8 @@ def make_llm(model: str, method: str | None = "grammar", k: int = 4, draft_model
     args: dict[str, Any] = dict(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
                                 disable_log_stats=False, async_scheduling=False)
     extra = {"draft_sample_method": draft_sample_method} if draft_sample_method and draft_model else {}
+    if method == "grammar" and draft_model:  # our draft proposer extends the V1 runner (wiring.py)
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     sc = speculative_config(method, k, draft_model if method in ("grammar", "draft_model") else None, **extra)
     if sc is not None:
         args["speculative_config"] = sc

