@@ -166,23 +166,38 @@ class GrammarDraftProposer(DraftModelProposer):
         step = self._step
         if step is None:
             return super()._sample_draft_tokens(hidden_states, sampling_metadata)
-        logits = self.model.compute_logits(hidden_states)
+        num_rows = hidden_states.shape[0]
         t0 = time.perf_counter_ns()
         try:
-            if self._masks(step, logits.shape[0]):
-                bitmask = self._bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
+            any_mask, known = self._masks(step, num_rows)
+        except Exception as e:  # the rest of this step drafts as vLLM's own (still verified: exact)
+            self.grammar.fault("masking a draft position", e)
+            self._end_grammar(step)
+            any_mask, known = False, None
+        probabilistic = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
+        t1 = time.perf_counter_ns()
+        apply_ns = 0
+        if known is not None:  # every row's draft here is a host draft (or nothing): no logits needed
+            self.grammar.counters["positions_without_logits"] += 1
+            tokens = torch.tensor(known, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
+            probs = None
+            if probabilistic:  # one-hot laws, as vLLM's sampler returns them for one-allowed-token rows
+                probs = torch.zeros((num_rows, self._vocab), dtype=torch.float32, device=hidden_states.device)
+                probs.scatter_(1, tokens.view(-1, 1), 1.0)
+        else:
+            logits = self.model.compute_logits(hidden_states)
+            if any_mask:
                 import xgrammar as xgr
 
+                a0 = time.perf_counter_ns()
+                bitmask = self._bitmask[:num_rows].to(logits.device, non_blocking=True)
                 xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab)
-        except Exception as e:  # the rest of this step drafts as vLLM's own (still verified: exact)
-            self.grammar.fault(f"masking draft position {step.pos}", e)
-            self._end_grammar(step)
-        t1 = time.perf_counter_ns()
-        # vLLM's own draft sampling (llm_base_proposer.py:478-509), on the masked logits
-        if not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy:
-            tokens, probs = logits.argmax(dim=-1), None
-        else:
-            tokens, probs = self._sample_from_logits(logits, sampling_metadata)
+                apply_ns = time.perf_counter_ns() - a0
+            # vLLM's own draft sampling (llm_base_proposer.py:478-509), on the masked logits
+            if probabilistic:
+                tokens, probs = self._sample_from_logits(logits, sampling_metadata)
+            else:
+                tokens, probs = logits.argmax(dim=-1), None
         t2 = time.perf_counter_ns()
         enough = False
         try:
@@ -192,13 +207,14 @@ class GrammarDraftProposer(DraftModelProposer):
             step.pos += 1
             enough = step.pos < step.k and not self._needs_model(step)
         except Exception as e:
-            self.grammar.fault(f"reading draft position {step.pos}", e)
+            self.grammar.fault("reading a draft position", e)
             self._end_grammar(step)
             step.pos = len(step.tokens)
-        self.grammar.timing_ns["grammar"] += (t1 - t0) + (time.perf_counter_ns() - t2)
-        self.grammar.counters["draft_passes"] += 1
-        if enough:
-            self.grammar.counters["draft_passes_skipped"] += step.k - step.pos  # skip the draft-model passes nobody needs (propose() assembles the drafts)
+        g = self.grammar
+        g.timing_ns["grammar"] += (t1 - t0) + apply_ns + (time.perf_counter_ns() - t2)
+        g.counters["draft_passes"] += 1
+        if enough:  # skip the draft-model passes nobody needs: propose() assembles the drafts
+            g.counters["draft_passes_skipped"] += step.k - step.pos
             raise _EnoughDrafts
         return tokens, probs
 
@@ -234,16 +250,20 @@ class GrammarDraftProposer(DraftModelProposer):
                 rows.append(_Row(req_id, None, None))
         return _Step(rows, k)
 
-    def _masks(self, step: _Step, num_rows: int) -> bool:
-        """Fill the pinned bitmask rows for draft position ``step.pos``; False when no row needs one."""
+    def _masks(self, step: _Step, num_rows: int) -> tuple[bool, list[int] | None]:
+        """Fill the pinned bitmask rows for draft position ``step.pos``.  Returns (whether any row needs its mask,
+        the position's tokens when every row's is already known: a host draft, or nothing to draft)."""
         j = step.pos
         bm = self._bitmask_np
         any_mask = False
+        known: list[int] | None = [0] * num_rows
         for i in range(num_rows):
             r = step.rows[i] if i < len(step.rows) else None
             b = r.block if r is not None else None
             if b is None:
                 bm[i] = -1
+                if r is not None and (r.st is None or not r.st.grammar):
+                    known = None  # no grammar (or a fault): the model drafts, as vLLM's own
                 continue
             try:
                 if len(b.tokens) <= j and not b.done:
@@ -253,6 +273,8 @@ class GrammarDraftProposer(DraftModelProposer):
                     bit = 1 << (t & 31)
                     bm[i] = 0
                     bm[i, t >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit
+                    if known is not None:
+                        known[i] = t
                 elif b.done:  # past the request's drafts (e.g. the grammar is complete): padding, cut in propose()
                     bm[i] = -1
                     continue
@@ -263,13 +285,15 @@ class GrammarDraftProposer(DraftModelProposer):
                         bm[i] = -1
                         continue
                     bm[i] = row
+                    known = None
             except Exception as e:
-                self.grammar.fault(f"the grammar mask at draft position {j}", e, r.req_id)
+                self.grammar.fault("the grammar mask at a draft position", e, r.req_id)
                 r.block = None
                 bm[i] = -1
+                known = None
                 continue
             any_mask = True
-        return any_mask
+        return any_mask, known
 
     def _advance(self, step: _Step, tokens: list[int]) -> None:
         """Push the model's draft of position ``step.pos`` onto each block that did not have a host draft there,

@@ -54,7 +54,7 @@ _INSTANCES: "weakref.WeakSet[GrammarStates]" = weakref.WeakSet()
 DEFAULT_DRAFTERS = ("forced", "recipe")
 COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
             "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "proposer_errors",
-            "draft_passes", "draft_passes_skipped")
+            "draft_passes", "draft_passes_skipped", "positions_without_logits")
 MOVED_DRAFT_MODEL = (
     "the specgrammar option 'draft_model' is gone: give the draft model to vLLM instead, "
     "--speculative-config '{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K}' "
@@ -128,7 +128,7 @@ class GrammarStates:
         self.accepted_by_position = [0] * self.k
         self.timing_ns = {"grammar": 0}  # host work of the grammar drafts (benchmarks read it)
         self.last_drafted: dict[str, int] = {}  # request id -> drafts proposed at its last step (tests)
-        self._faulted: set[str] = set()  # requests whose drafting faulted (logged once)
+        self._faulted: set = set()  # requests (and kinds of step-wide faults) already logged
         self._logged_at = time.monotonic()
         _INSTANCES.add(self)
 
@@ -243,13 +243,15 @@ class GrammarStates:
 
     def fault(self, where: str, e: BaseException, req_id: str | None = None) -> None:
         """A fault in our own drafting: the request (or the step) gets no grammar drafts, the engine goes on.
-        Logged once per request (with the traceback for the first few)."""
+        Logged once per request, and once per kind of step-wide fault (with the traceback for the first few)."""
         self.counters["proposer_errors"] += 1
-        if req_id is None or req_id not in self._faulted:
+        key = req_id if req_id is not None else (where, type(e).__name__)
+        if key not in self._faulted:
+            if len(self._faulted) < 10_000:  # (request ids leave with their requests; step-wide kinds are few)
+                self._faulted.add(key)
             log.warning("specgrammar: %s failed (%s: %s)%s; no grammar drafts there", where, type(e).__name__, e,
                         f" for request {req_id}" if req_id else "", exc_info=self.counters["proposer_errors"] <= 3)
         if req_id is not None:
-            self._faulted.add(req_id)
             if req_id in self._states:
                 self._states[req_id].history = None
 

