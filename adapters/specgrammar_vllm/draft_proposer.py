@@ -117,6 +117,9 @@ class GrammarDraftProposer(DraftModelProposer):
         if self.grammar is None:
             log.warning("specgrammar: the draft model drafts grammar-blind, as vLLM's own: %s", reason)
             return
+        # every data-parallel rank runs the same number of draft passes per step (vLLM pads and syncs them across
+        # ranks, llm_base_proposer.py _determine_batch_execution_and_padding): skipping passes is per rank, so off
+        self._may_skip = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1) == 1
         self._vocab = self.grammar.vocab_size
         self._words = mask_words(self._vocab)
         from vllm.utils.torch_utils import PIN_MEMORY
@@ -205,7 +208,7 @@ class GrammarDraftProposer(DraftModelProposer):
             step.tokens.append(tokens)
             step.probs.append(probs)
             step.pos += 1
-            enough = step.pos < step.k and not self._needs_model(step)
+            enough = self._may_skip and step.pos < step.k and not self._needs_model(step)
         except Exception as e:
             self.grammar.fault("reading a draft position", e)
             self._end_grammar(step)
@@ -373,7 +376,10 @@ class GrammarDraftProposer(DraftModelProposer):
                 continue
             real = r.real if r.block is not None else 0
             b = r.block
-            g.record(r.st, r.req_id, b.tokens[:real] if b is not None else [], b.sources[:real] if b is not None else [])
+            if b is None:
+                g.record(r.st, r.req_id, [], [])
+            else:
+                g.record(r.st, r.req_id, b.tokens[:real], b.sources[:real])
             if real < k:
                 cut.append((i, real))
         if cut:

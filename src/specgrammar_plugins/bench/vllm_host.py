@@ -10,7 +10,7 @@ Every configuration decodes the same prompts under the same structured outputs (
     grammar_model   method=draft_model with the tiny draft, built by the general plugin as GrammarDraftProposer:
                     forced drafts first, then the draft model masked by each request's grammar
     grammar_chain   the same with the recipe pack too: forced, recipe, draft model in one step
-    draft_model     vLLM's own grammar-blind draft_model, same draft (``"grammar_drafts": false``)
+    draft_model     vLLM's own grammar-blind draft_model, same draft (``SPECGRAMMAR_VLLM_DRAFTS=0``: vLLM's class)
     ngram           method=ngram (prompt lookup, n in [1, 4])
 
 Workloads: the structured ones of ``workloads.py`` (the pair was trained on them) and, with ``--schemas N``,
@@ -184,7 +184,8 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
         toks = [list(o.outputs[0].token_ids) for o in outs]
         gen = sum(len(t) for t in toks)
         passes = gen - d["accepted_tokens"]
-        done = [(c, o.outputs[0]) for c, o in zip(checks, outs) if c is not None and o.outputs[0].finish_reason == "stop"]
+        done = [(c, o.outputs[0]) for c, o in zip(checks, outs)
+                if c is not None and o.outputs[0].finish_reason == "stop"]
         rows.append({
             "workload": w, "method": method, "requests": len(outs), "tokens": gen,
             "rounds": int(d["drafts"]), "draft_tokens": int(d["draft_tokens"]), "accepted": int(d["accepted_tokens"]),
@@ -287,7 +288,9 @@ def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence
                    "--draft-sample", draft_sample, "--schemas", str(schemas), "--out", tmp.name,
                    *(["--profile"] if profile else []),
                    *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []), "--workloads", *workloads]
-            subprocess.run(cmd, check=True, env=env)
+            # vLLM's own draft proposer, not ours with grammar drafting off: the plugin leaves its class in place
+            own = dict(env, SPECGRAMMAR_VLLM_DRAFTS="0") if method == "draft_model" else env
+            subprocess.run(cmd, check=True, env=own)
             with open(tmp.name) as fh:
                 rows += json.load(fh)
     reference = {r["workload"]: r["token_ids"] for r in rows if r["method"] == "plain" and "token_ids" in r}
