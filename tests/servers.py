@@ -1,6 +1,7 @@
 """Test helpers: start the real servers on the bundled tiny models (``launch_mlx``: ``mlx_lm.server --plugin
-specgrammar`` on a patched copy of mlx-lm; ``launch_vllm``: our vLLM launcher with ``GrammarProposer``), each
-ready to serve when returned, stopped with ``Launched.stop()``.  ``specgrammar soak --url`` runs its burst against
+specgrammar`` on a patched copy of mlx-lm; ``launch_vllm``: our vLLM launcher with ``GrammarProposer``, or vLLM's
+draft model made grammar-aware; ``launch_command``: any vLLM command line, e.g. the README's), each ready to serve
+when returned, stopped with ``Launched.stop()``.  ``specgrammar soak --url`` runs its burst against
 such a server (``specgrammar demo --serve`` starts the mlx-lm one by hand)."""
 
 from __future__ import annotations
@@ -92,12 +93,20 @@ def _wait_ready(srv: Launched, path: str, startup_s: float) -> Launched:
         time.sleep(0.5)
 
 
+def _env(extra: dict | None, path_first: list[str], **defaults) -> dict:
+    """The server's environment: ours, ``defaults``, then ``extra``; ``PYTHONPATH`` = ``path_first``, ``extra``'s
+    PYTHONPATH, then ours."""
+    extra = dict(extra or {})
+    paths = [*path_first, extra.pop("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, **defaults, **extra, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
 def launch_mlx(workdir: Path, draft: bool = True, max_tokens: int = 64, extra: list[str] = (),
                startup_s: float = 180.0, *, plugin: bool = True, num_draft_tokens: int = 4,
-               root: Path | None = None) -> Launched:
+               root: Path | None = None, env: dict | None = None) -> Launched:
     """``mlx_lm.server --plugin specgrammar`` (``plugin=False``: the patched server without it) on the bundled
     tiny target (and draft), ready to serve.  ``root``: a folder holding a patched ``mlx_lm`` (default: made by
-    ``patched_mlx_root`` under ``workdir``)."""
+    ``patched_mlx_root`` under ``workdir``).  ``env``: extra environment (``PYTHONPATH`` entries go first)."""
     from specgrammar_plugins.models import tiny_path
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -108,8 +117,7 @@ def launch_mlx(workdir: Path, draft: bool = True, max_tokens: int = 64, extra: l
     if plugin:
         args += ["--plugin", "specgrammar"]
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-               TOKENIZERS_PARALLELISM="false")
+    env = _env(env, [str(root)], TOKENIZERS_PARALLELISM="false")
     log = workdir / f"mlx-server-{port}.log"
     fh = open(log, "w")
     proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--host", "127.0.0.1", "--port", str(port),
@@ -118,22 +126,33 @@ def launch_mlx(workdir: Path, draft: bool = True, max_tokens: int = 64, extra: l
 
 
 def launch_vllm(workdir: Path, k: int = 4, extra: list[str] = (), startup_s: float = 300.0, *,
-                served_name: str = "default_model") -> Launched:
-    """Our vLLM launcher (``specgrammar_vllm.serve``) with GrammarProposer on the tiny target, engine in-process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so one PID holds all request state), served as ``served_name``."""
+                served_name: str = "default_model", draft: bool = False, env: dict | None = None) -> Launched:
+    """Our vLLM launcher (``specgrammar_vllm.serve``) on the tiny target, engine in-process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so one PID holds all request state), served as ``served_name``:
+    ``--grammar-spec k`` (GrammarProposer: forced + recipe drafts), with ``draft`` also ``--grammar-draft`` (vLLM's
+    draft_model method with the tiny draft, grammar-aware through the general plugin).  ``env``: extra environment
+    (``PYTHONPATH`` entries go first)."""
     from specgrammar_plugins.models import tiny_path
 
+    cmd = [sys.executable, "-m", "specgrammar_vllm.serve", str(tiny_path("target")),
+           "--served-model-name", served_name, "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+           "--grammar-spec", str(k), *(["--grammar-draft", str(tiny_path("draft"))] if draft else []),
+           "--uvicorn-log-level", "warning", *extra]
+    env = _env(env, [], VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+    return launch_command(workdir, cmd, env, startup_s, served_name=served_name)
+
+
+def launch_command(workdir: Path, cmd: list[str], env: dict, startup_s: float = 300.0, *,
+                   served_name: str = "default_model", cwd: Path | None = None) -> Launched:
+    """A vLLM server from a command line (``--host 127.0.0.1 --port P`` appended, run in ``cwd``), ready when
+    ``/health`` answers."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
     log = workdir / f"vllm-server-{port}.log"
     fh = open(log, "w")
-    cmd = [sys.executable, "-m", "specgrammar_vllm.serve", str(tiny_path("target")),
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name, "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "512", "--grammar-spec", str(k), "--uvicorn-log-level", "warning",
-           *extra]
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=fh, stderr=subprocess.STDOUT,
+                            env=env, cwd=cwd, start_new_session=True)
     return _wait_ready(Launched(proc, port, log, model=served_name, _fh=fh), "/health", startup_s)
 
 

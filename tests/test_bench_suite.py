@@ -161,9 +161,11 @@ def test_vllm_host_quick(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     doc = bench(tmp_path, "vllm_host")
-    rows = [r for r in doc["rows"] if "proposer" not in r]
-    assert {r["method"] for r in rows} == {"plain", "grammar_recipe"}
-    _finite(rows, ["tokens", "rounds", "accepted", "acceptance", "passes_per_token"])
+    rows = [r for r in doc["rows"] if "timing" not in r]
+    assert {r["method"] for r in rows} == {"plain", "grammar_chain"}
+    _finite(rows, ["tokens", "rounds", "accepted", "acceptance", "tokens_per_pass"])
+    timing = {r["method"]: r["timing"] for r in doc["rows"] if "timing" in r}
+    _finite(list(timing.values()), ["step_ms", "target_ms", "draft_ms", "our_grammar_ms", "vllm_grammar_ms"])
 
 
 def test_schemas_quick(tmp_path):

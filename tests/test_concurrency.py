@@ -1,6 +1,6 @@
 """32 concurrent mixed requests against real servers on 127.0.0.1: ``mlx_lm.server --plugin specgrammar`` (with the
-draft model: our loop; without: mlx-lm's batching path with our processor) and our vLLM launcher with
-GrammarProposer.
+draft model: our loop; without: mlx-lm's batching path with our processor) and our vLLM launcher (with the draft
+model: vLLM's draft_model made grammar-aware, forced tokens first; without: GrammarProposer through custom_class).
 
 The mix (``specgrammar_plugins.soak.mixed_jobs``, seeded): constrained requests over every structured workload in
 the spellings the host reads, streaming and not, at T = 0 / 0.7 / 1; unconstrained prose; invalid constraints;
@@ -98,10 +98,10 @@ def test_mlx_server_under_32_concurrent_mixed_requests(mlx_server):
 
 
 # ---------------------------------------------------------------------------------------------- vLLM
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
+@pytest.fixture(scope="module", params=["draft", "custom_class"])
+def vllm_server(request, tmp_path_factory):
     pytest.importorskip("vllm")
-    yield from _served(launch_vllm, tmp_path_factory.mktemp("vllm"))
+    yield from _served(launch_vllm, tmp_path_factory.mktemp(f"vllm-{request.param}"), draft=request.param == "draft")
 
 
 def test_vllm_server_under_32_concurrent_mixed_requests(vllm_server):

@@ -9,9 +9,9 @@ arbitrary JSON-ish bodies.
   each step (after a soft cap they prefer EOS and closing characters, so most walks finish); every finished
   output must be in the language (``re.fullmatch`` for regexes, ``jsonschema`` for schemas), and the mask must
   never be empty before the walk has stopped (a reachable dead end).
-- Request parsers: ``parse_request`` and the mlx-lm server plugin's ``request_fields`` on arbitrary bodies either
-  parse or raise one of the package's own errors (``SpecGrammarError``: the servers answer 400), never another
-  exception.
+- Request parsers: ``parse_request``, the gate every host runs (``gate.check_request``) and the mlx-lm server
+  plugin's ``request_fields`` on arbitrary bodies either parse or raise one of the package's own errors
+  (``SpecGrammarError``: the servers answer 400), never another exception.
 
 CI runs a fixed, derandomized example budget.  Nightly: ``SPECGRAMMAR_FUZZ_EXAMPLES=5000 pytest tests/test_fuzz.py``
 runs that many examples per test with fresh randomness (hypothesis prints the seed of any failure;
@@ -279,6 +279,35 @@ def test_request_parsers_parse_or_raise_our_errors(body):
         return
     assert spec is None or isinstance(spec, ConstraintSpec)
     assert options.k is None or 0 <= options.k
+
+
+GATE_FIELDS = FIELDS + ["temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "max_completion_tokens",
+                        "num_draft_tokens", "n", "stream", "stream_options", "logit_bias", "stop", "messages",
+                        "prompt", "model", "adapters", "presence_penalty", "guided_regex", "guided_json",
+                        "guided_choice", "guided_decoding_backend"]
+GATE_BODY = st.one_of(st.dictionaries(st.sampled_from(GATE_FIELDS), JSONISH, max_size=5),
+                      st.fixed_dictionaries({"messages": st.just([{"role": "user", "content": "hi"}])},
+                                            optional={f: JSONISH for f in GATE_FIELDS if f != "messages"}),
+                      JSONISH)
+
+
+@fuzz(ci_examples=300)
+@given(body=GATE_BODY)
+def test_the_gate_checks_or_raises_our_errors(body):
+    """Random JSON values (NaN and Infinity among the floats) in every field the gate reads: a ``Checked`` or one of
+    our errors with a status (400/404) and a message, never another exception."""
+    from specgrammar_plugins.errors import RequestError
+    from specgrammar_plugins.gate import Checked, Host, check_request
+
+    host = Host("the fuzzed host", models=("default_model",), context_length=512, max_token_bytes=8,
+                vocab_size=1024, default_max_tokens=64, count_tokens=lambda b: 10, fixed=(("adapters", (None,)),))
+    try:
+        out = check_request(body, host)
+    except SpecGrammarError as e:
+        assert str(e) and getattr(e, "status_code", 400) in (400, 404)
+        assert not isinstance(e, RequestError) or e.field
+        return
+    assert isinstance(out, Checked) and (out.max_tokens is None or 0 < out.max_tokens <= 502)
 
 
 class _NoModel:

@@ -266,3 +266,139 @@ def test_compiled_grammars_are_held_only_by_the_bounded_cache(toy_tok):
         compile_constraint(ConstraintSpec.json_schema(schema), toy_tok, engine="xgrammar", cache=cache)
     assert len(cache) == 4
     assert _COMPILERS.get(toy_tok).get_cache_size_bytes() == 0
+
+
+# ---------------------------------------------------------------------------------------------- issue 22
+def test_llguidance_compiles_under_process_isolation(toy_tok, limits):
+    """Regression (issue 22): with compile_isolation="process" (the mlx-lm server's setting) every llguidance
+    request was refused with "compile_isolation must be 'process' or 'thread', got 'process'": llguidance is not
+    isolated (its fuel bounds it), and the non-isolated path only knew "thread".  It compiles in-process."""
+    limits.compile_isolation = "process"
+    c = compile_constraint(ConstraintSpec.regex("[0-9]{2}"), toy_tok, engine="llguidance", cache=None)
+    m = c.matcher()
+    assert all(m.accept(t) for t in toy_tok.encode("42")) and m.accept(toy_tok.eos_token_id)
+    limits.compile_isolation = "fork"
+    with pytest.raises(ConstraintError, match="compile_isolation must be 'process' or 'thread', got 'fork'"):
+        compile_constraint(ConstraintSpec.regex("[0-9]{3}"), toy_tok, engine="llguidance", cache=None)
+
+
+NO_FINITE_INSTANCE = [
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+     "$ref": "#/$defs/n"},
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    {"type": "object", "properties": {"a": {"anyOf": [{"$ref": "#"}, {"allOf": [{"$ref": "#"}]}]}}, "required": ["a"]},
+    {"type": "object", "required": ["x"], "additionalProperties": False},
+]
+FINITE = [
+    {"type": "object", "properties": {"a": {"$ref": "#"}}},  # optional: {} ends it
+    {"type": "object", "properties": {"a": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["a"]},
+    {"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"type": "array", "items": {"$ref": "#"}},
+]
+
+
+@pytest.mark.parametrize("engine", ["xgrammar", "llguidance", "outlines_core", "auto"])
+def test_schemas_without_a_finite_instance_are_refused_on_every_engine(toy_tok, engine):
+    """A schema whose every instance would contain itself was accepted and decoded whitespace until max_tokens
+    (issue 22, finding 8); refused at compile time now, while recursive schemas with a way out compile."""
+    for schema in NO_FINITE_INSTANCE:
+        with pytest.raises(ConstraintError, match="matches no string: no finite JSON value"):
+            compile_constraint(ConstraintSpec.json_schema(schema), toy_tok, engine=engine, cache=None)
+    for schema in FINITE:
+        try:
+            compile_constraint(ConstraintSpec.json_schema(schema), toy_tok, engine=engine, cache=None)
+        except ConstraintError as e:  # an engine may refuse recursion itself (outlines-core: "Ref recursion")
+            assert "no finite JSON value" not in str(e), (schema, e)
+
+
+def _nested_schema(n: int) -> dict:
+    s: dict = {"type": "integer"}
+    for _ in range(n):
+        s = {"type": "array", "items": s}
+    return s
+
+
+@pytest.mark.parametrize("engine", ["xgrammar", "llguidance", "outlines_core", "dfa"])
+def test_nesting_is_bounded_and_never_a_recursion_error(toy_tok, engine):
+    """A schema nested 2,000 deep raised RecursionError (a crash, issue 22 finding 7): constraints nest at most
+    ``LIMITS.max_nesting`` levels, checked without recursion, whatever the spelling (object, JSON text, regex
+    groups, grammar parentheses)."""
+    t0 = time.perf_counter()
+    too_deep = [lambda: ConstraintSpec.json_schema(_nested_schema(2000)),
+                lambda: ConstraintSpec.json_schema('{"type":"array","items":' * 5000 + "{}" + "}" * 5000),
+                lambda: ConstraintSpec.regex("(" * 1000 + "a" + ")" * 1000),
+                lambda: ConstraintSpec.grammar("root ::= " + "(" * 1000 + '"a"' + ")" * 1000)]
+    for make in too_deep:
+        with pytest.raises(ConstraintError, match="nests more than 128 levels deep"):
+            compile_constraint(make(), toy_tok, engine=engine, cache=None)
+    assert time.perf_counter() - t0 < 5
+    if engine != "dfa":  # within the bound: compiles
+        from specgrammar_plugins import TokenizerInfo
+        from specgrammar_plugins.models import tiny_path
+
+        tok = TokenizerInfo.from_file(str(tiny_path("target")))
+        deep = {"type": "integer"}
+        for _ in range(60):  # 121 JSON levels (objects: arrays this deep blow up outlines-core's regex)
+            deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+        compile_constraint(ConstraintSpec.json_schema(deep), tok, engine=engine, cache=None)
+
+
+def test_a_recursion_error_is_a_constraint_error(toy_tok, monkeypatch):
+    """The safety net behind the nesting bound: with the bound lifted, recursion that runs out while a
+    constraint is built (json, our schema walkers) or compiled (interegular, under the dfa engine) reaches the
+    caller as a ConstraintError (servers: a 400), never as a RecursionError.  (Native engines are left out: with
+    no bound, xgrammar and llguidance spend gigabytes on such a regex.)"""
+    from specgrammar_plugins import nesting
+
+    monkeypatch.setattr(nesting, "MAX_NESTING", 10**6)
+    with pytest.raises(ConstraintError, match="nests too deeply"):
+        ConstraintSpec.json_schema('{"type":"array","items":' * 5000 + "{}" + "}" * 5000)
+    with pytest.raises(ConstraintError, match="nests too deeply"):
+        ConstraintSpec.json_schema(_nested_schema(5000))
+    with pytest.raises(ConstraintError, match="RecursionError|nests too deeply"):
+        compile_constraint(ConstraintSpec.regex("(" * 3000 + "a" + ")" * 3000), toy_tok, engine="dfa", cache=None)
+
+
+def test_a_request_names_recipe_packs_and_opens_no_other_file(tmp_path, monkeypatch):
+    """``specgrammar.recipe`` read /etc/passwd (issue 22, finding 6): a request names a pack in the server's pack
+    folder or a shipped one; names that are paths are refused without any file being opened (or listed)."""
+    import os
+    import sys
+
+    from specgrammar_plugins.errors import RequestError
+    from specgrammar_plugins.recipes import RecipePackError, resolve_name, shipped_packs
+    from specgrammar_plugins.requests import parse_request
+
+    packs = tmp_path / "packs"
+    packs.mkdir()
+    (packs / "mine.json").write_text("{}")
+    (tmp_path / "outside.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)  # a name must not find ./outside.json either
+    opened: list[str] = []
+
+    def audit(event, args):
+        if event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], (str, bytes, os.PathLike)):
+            opened.append(os.fsdecode(args[0]))
+
+    parse_request({"specgrammar": {"recipe": "mine"}})  # (imports done before the hook watches)
+    sys.addaudithook(audit)  # (audit hooks cannot be removed: this one only appends to a list)
+
+    def outside(paths):  # anything opened or listed that is not the pack folder (or below it)
+        return [p for p in paths if "passwd" in p or "outside" in p or "hidden" in p
+                or (p.startswith(str(tmp_path)) and not p.startswith(str(packs)))]
+
+    for name in ("/etc/passwd", "../outside", "../outside.json", "packs/mine", "./mine", ".hidden", "..",
+                 "mine/../../outside", "C:\\x", "", "a" * 200):
+        opened.clear()
+        with pytest.raises(RequestError, match="specgrammar.recipe must be the name of a recipe pack"):
+            parse_request({"specgrammar": {"recipe": name}})
+        with pytest.raises(RecipePackError, match="not a pack name"):
+            resolve_name(name, packs)
+        assert not outside(opened), (name, opened)
+    opened.clear()
+    with pytest.raises(RecipePackError, match="not found"):
+        resolve_name("outside", packs)  # a name, but not in the pack folder: ./outside.json is not looked at
+    assert resolve_name("mine", packs) == packs / "mine.json"
+    assert resolve_name("json_extraction", packs) == shipped_packs()["json_extraction"]
+    assert opened and not outside(opened), opened

@@ -7,6 +7,7 @@ Runs with n_threads=1; skips when llama-cpp-python or the tiny models are absent
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -193,6 +194,37 @@ def test_invalid_constraint_is_a_clear_error_and_the_process_survives(ours, bad)
     # still alive and serving
     ok = ours.create_completion(chat_prompt("What year? 1999"), max_tokens=4, temperature=0, regex="[0-9]{4}")
     assert ok["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("bad,field", [
+    (dict(temperature=float("nan"), regex="[0-9]{4}"), "temperature"),
+    (dict(top_p=float("inf")), "top_p"),
+    (dict(regex="[0-9]{4}", specgrammar={"lambda": float("inf")}), "specgrammar.lambda"),
+    (dict(regex="[0-9]{4}", specgrammar={"turbo": True}), "specgrammar.turbo"),
+    (dict(regex="[0-9]{4}", specgrammar={"recipe": "/etc/passwd"}), "specgrammar.recipe"),
+    (dict(regex="[0-9]{4}", specgrammar={"k": 10**5}), "specgrammar.k"),
+    (dict(seed=-1), "seed"),
+    (dict(logit_bias={"99999": 1.0}), "logit_bias"),
+    (dict(regex="[0-9]{4}", stop=["9"]), "stop"),
+    (dict(grammar='root ::= "19" [0-9] [0-9]', stop=["9"]), "stop"),
+])
+def test_the_gate_refuses_bad_arguments_naming_them(ours, bad, field):
+    """The core's gate on SpecLlama's calls (issue 22): non-finite or out-of-range numbers, unknown specgrammar
+    keys, a recipe given as a path, a constraint with stop strings; the model keeps serving."""
+    from specgrammar_plugins.errors import RequestError
+
+    with pytest.raises(RequestError) as e:
+        ours.create_completion(chat_prompt("What year? 1999"), max_tokens=4, **bad)
+    assert e.value.field == field, (e.value.field, str(e.value))
+    ok = ours.create_completion(chat_prompt("What year? 1999"), max_tokens=4, temperature=0, regex="[0-9]{4}")
+    assert re.fullmatch("[0-9]{4}", ok["choices"][0]["text"])
+
+
+def test_non_ascii_choice_and_a_shipped_pack_by_name(ours):
+    """An emoji choice (its forced bytes end inside a character) decodes whole; a pack is named, not a path."""
+    out = ours.create_completion(chat_prompt("Thumbs?"), max_tokens=12, temperature=0, choice=["👍", "👎"],
+                                 specgrammar={"recipe": "year"})
+    assert out["choices"][0]["text"] in ("👍", "👎")
 
 
 def test_two_constraints_are_refused(ours):

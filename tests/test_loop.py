@@ -259,3 +259,18 @@ def test_online_suffix_drafter_learns_from_finished_requests(toy_tok):
     assert outs[0] == outs[1]
     assert stats[0].accepted_by_source.get("suffix", 0) == 0
     assert stats[1].accepted_by_source.get("suffix", 0) > 0 and stats[1].target_passes < stats[0].target_passes
+
+
+def test_common_prefix_len_on_every_sequence_kind():
+    """The list fast path (one history extending the other, compared in C) and the general walk agree."""
+    import random
+
+    from specgrammar_plugins.prefix import common_prefix_len
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = [rng.randrange(4) for _ in range(rng.randrange(12))]
+        b = a[: rng.randrange(len(a) + 1)] + [rng.randrange(4) for _ in range(rng.randrange(6))]
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        for x, y in ((a, b), (b, a), (tuple(a), b), (np.asarray(a, dtype=np.int64), b), (a, np.asarray(b))):
+            assert common_prefix_len(x, y) == want, (x, y)

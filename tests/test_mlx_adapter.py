@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_mlx_common import mlx_speculative, plain_generate_step, prompt_ids, tiny_model_dirs
+from test_mlx_common import load_tiny_pair, mlx_speculative, plain_generate_step, prompt_ids
 
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
@@ -20,12 +20,7 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def tiny():
-    from mlx_lm import load
-
-    t, d = tiny_model_dirs()
-    model, tok = load(str(t))
-    draft, _ = load(str(d))
-    return model, draft, tok
+    return load_tiny_pair()
 
 
 def _processor(spec, tok, model):

@@ -25,6 +25,16 @@ def tiny_model_dirs() -> tuple[Path, Path]:
     return t, d
 
 
+def load_tiny_pair():
+    """(target model, draft model, tokenizer) of the bundled tiny pair, loaded with mlx-lm (skips when absent)."""
+    from mlx_lm import load
+
+    t, d = tiny_model_dirs()
+    model, tok = load(str(t))
+    draft, _ = load(str(d))
+    return model, draft, tok
+
+
 class CountingModel:
     """Delegates to an mlx-lm model and counts its forward calls (target passes of mlx-lm's own loops)."""
 

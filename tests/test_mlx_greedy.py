@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_mlx_common import plain_generate_step, prompt_ids, tiny_model_dirs
+from test_mlx_common import load_tiny_pair, plain_generate_step, prompt_ids
 
 pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
@@ -18,12 +18,7 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def tiny():
-    from mlx_lm import load
-
-    t, d = tiny_model_dirs()
-    model, tok = load(str(t))
-    draft, _ = load(str(d))
-    return model, draft, tok
+    return load_tiny_pair()
 
 
 def _processor(spec, tok, model):

@@ -33,7 +33,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from test_mlx_common import mlx_speculative, prompt_ids, tiny_model_dirs
+from test_mlx_common import load_tiny_pair, mlx_speculative, prompt_ids
 
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
@@ -58,12 +58,7 @@ P_FLOOR = 1e-3
 
 @pytest.fixture(scope="module")
 def tiny():
-    from mlx_lm import load
-
-    t, d = tiny_model_dirs()
-    model, tok = load(str(t))
-    draft, _ = load(str(d))
-    return model, draft, tok
+    return load_tiny_pair()
 
 
 def law_case(tiny, case: str):

@@ -54,7 +54,9 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_holds_the_data(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for must in ("specgrammar_plugins/api.py", "specgrammar_mlx_lm/server_plugin.py", "specgrammar_vllm/proposer.py",
+                 "specgrammar_vllm/draft_proposer.py", "specgrammar_vllm/wiring.py",
                  "specgrammar_llama_cpp/llama.py", "specgrammar_plugins/patches/mlx_lm-server-plugin.diff",
+                 "specgrammar_plugins/patches/vllm-custom-proposer-runner.diff",
                  "specgrammar_plugins/recipes/shipped/json_extraction.json",
                  "specgrammar_plugins/models/tiny/target/model.safetensors",
                  "specgrammar_plugins/models/tiny/target.gguf"):

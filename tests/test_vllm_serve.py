@@ -66,3 +66,65 @@ def test_invalid_schema_is_a_400_and_the_server_keeps_serving(server):
                                        max_tokens=8, temperature=0,
                                        extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
     assert len(r.choices[0].message.content) == 4 and r.choices[0].message.content.isdigit()
+
+
+def readme_quick_start() -> tuple[dict, list[str], dict]:
+    """The README's vLLM quick start as written: (environment, server command line, the curl request's body)."""
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    at = text.index("python -m specgrammar_vllm.serve")  # the first code block that starts our launcher
+    start = text.rindex("```bash\n", 0, at) + len("```bash\n")
+    block = text[start:text.index("```", at)]
+    lines = block.replace("\\\n", " ").splitlines()
+    serve = next(ln for ln in lines if "specgrammar_vllm.serve" in ln)
+    curl = next(ln for ln in lines if ln.startswith("curl "))
+    words = shlex.split(serve)
+    env = {}
+    while "=" in words[0] and not words[0].startswith("-"):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    assert words[0] == "python"
+    c = shlex.split(curl)
+    body = json.loads(c[c.index("-d") + 1])
+    return env, words, body
+
+
+@pytest.mark.slow
+def test_the_readme_quick_start_runs_the_full_chain(tmp_path):
+    """The README's vLLM quick start, as written (run from the checkout's root, vLLM's default multiprocess
+    engine; only ``--host``/``--port`` are added): the curl request is answered with valid JSON, and the server's
+    log shows drafts from all three sources, forced tokens, the recipe pack and the draft model."""
+    import os
+    import re
+    import sys
+    import time
+    from pathlib import Path
+
+    from servers import launch_command
+
+    env, words, body = readme_quick_start()
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, *words[1:]]
+    srv = launch_command(tmp_path, cmd, dict(os.environ, **env, TOKENIZERS_PARALLELISM="false"), startup_s=600,
+                         served_name=body["model"], cwd=root)
+    try:
+        assert srv.proc.poll() is None
+        client = srv.client()
+        seen = {}
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            r = client.chat.completions.create(**body)
+            text = r.choices[0].message.content
+            assert r.choices[0].finish_reason == "stop" and W.is_valid("json_extraction", text), text
+            lines = re.findall(r"specgrammar drafts: ([^;]*);", srv.log.read_text())
+            if lines:
+                seen = {s: int(n) for s, n in (p.split() for p in lines[-1].split(", "))}
+                if all(seen.get(s, 0) > 0 for s in ("forced", "recipe", "model")):
+                    break
+            time.sleep(1.0)
+        assert all(seen.get(s, 0) > 0 for s in ("forced", "recipe", "model")), (seen, srv.log.read_text()[-3000:])
+        assert "grammar-aware draft model" in srv.log.read_text()
+    finally:
+        srv.stop()

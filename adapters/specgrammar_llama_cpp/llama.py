@@ -41,15 +41,18 @@ import numpy as np
 
 from llama_cpp import Llama, LogitsProcessorList
 
-from specgrammar_plugins.api import (DEFAULT_DRAFTERS, GREEDY, ConstraintError, ConstraintSpec, SamplingParams,
-                                     SpecOptions, check_budget, make_loop, parse_request, with_defaults)
+from specgrammar_plugins.api import (DEFAULT_DRAFTERS, GREEDY, ConstraintError, ConstraintSpec, Host, SamplingParams,
+                                     SpecOptions, check_budget, check_request, make_loop, resolve_pack_name, with_defaults)
 
 from .grammar import ValidatedGrammar, compile_for
 from .runner import LlamaRunner, tokenizer_info
 
 # request fields parse_request reads (beside llama-cpp-python's own ``grammar``)
 _REQUEST_FIELDS = ("response_format", "regex", "json_schema", "choice", "structured_outputs", "grammar_syntax",
-                   "specgrammar")
+                   "specgrammar", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# llama-cpp-python's own arguments the core's gate checks too (finite, in range; logit_bias ids in the vocabulary)
+_GATED = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "presence_penalty", "frequency_penalty",
+          "repeat_penalty", "logit_bias", "stop", "stream")
 
 
 def sampling_params(temp: float, top_k: int, top_p: float, min_p: float) -> SamplingParams:
@@ -84,14 +87,17 @@ class SpecLlama(Llama):
         recipes.  A path is loaded with this model's ``n_ctx``, ``n_batch`` and thread counts.
     k: draft tokens per round (a request's ``specgrammar.k`` overrides it); drafters: the chain, in order.
     engine: the grammar engine (default: the core's, xgrammar).  blind_draft: draft without the grammar mask
-        (only for benchmarks that reproduce the blind-draft problem).
+        (only for benchmarks that reproduce the blind-draft problem).  recipe: a pack (path or shipped name) used
+        by default; recipes_dir: a folder of packs a request may name (``specgrammar.recipe`` is a name, never a
+        path: that folder, then the shipped packs).
     Everything else is ``Llama``'s own arguments; ``logits_all`` is not needed.  ``last_stats`` holds the core's
     ``Stats`` of the last request that ran through the loop (``None`` after a fallback).
     """
 
     def __init__(self, model_path: str, *args, draft: "Llama | str | os.PathLike | None" = None, k: int = 4,
                  drafters: Sequence[str] = DEFAULT_DRAFTERS, engine: str | None = None, recipe: Any = None,
-                 blind_draft: bool = False, draft_kwargs: dict | None = None, **kwargs):
+                 blind_draft: bool = False, draft_kwargs: dict | None = None, recipes_dir: str | None = None,
+                 **kwargs):
         if kwargs.get("draft_model") is not None:
             raise ValueError("SpecLlama drafts itself: pass draft=<Llama or GGUF path> instead of draft_model=")
         super().__init__(model_path, *args, **kwargs)
@@ -107,6 +113,7 @@ class SpecLlama(Llama):
         self.drafters = tuple(drafters)
         self.engine = engine
         self.recipe = recipe
+        self.recipes_dir = recipes_dir
         self.blind_draft = blind_draft
         self.last_stats = None
         self._request_max_tokens: int | None = None
@@ -120,7 +127,18 @@ class SpecLlama(Llama):
         window is the budget, checked when decoding starts)."""
         body = {f: kwargs.pop(f) for f in _REQUEST_FIELDS if f in kwargs}
         body = {f: v for f, v in body.items() if v is not None}
-        spec, options = parse_request(body)
+        if isinstance(kwargs.get("grammar"), ValidatedGrammar):
+            return kwargs  # already validated (the chat path calls create_completion with it)
+        # the core's gate, on our fields and the host's sampling arguments: numbers finite and in range, unknown
+        # specgrammar keys, stop strings with a constraint (the prompt's length is llama-cpp-python's own check)
+        gated = {f: kwargs[f] for f in _GATED if kwargs.get(f) is not None}
+        checked = check_request({**gated, **body}, self._host(),
+                                host_constraint=kwargs.get("grammar") is not None or kwargs.get("constraint") is not None)
+        spec, options = checked.spec, checked.options
+        if options.recipe:  # a pack name (RecipePackError: a ValueError naming the packs there are)
+            from dataclasses import replace
+
+            options = replace(options, recipe=str(resolve_pack_name(options.recipe, self.recipes_dir)))
         found = [("request fields", spec)] if spec is not None else []
         c = kwargs.pop("constraint", None)
         if c is not None:
@@ -133,8 +151,8 @@ class SpecLlama(Llama):
         if len(found) > 1:
             raise ConstraintError("only one constraint may be given per request; got " +
                                   ", ".join(name for name, _ in found))
-        if isinstance(g, ValidatedGrammar) or (not found and options == SpecOptions()):
-            return kwargs  # already validated (the chat path calls create_completion), or nothing to do
+        if not found and options == SpecOptions():
+            return kwargs  # nothing to do
         obj = found[0][1] if found else None
         compiled = compile_for(obj, tokenizer_info(self), options.engine or self.engine)
         max_tokens = kwargs.get("max_tokens", max_tokens)
@@ -142,6 +160,12 @@ class SpecLlama(Llama):
             check_budget(compiled, options, max_tokens)
         kwargs["grammar"] = ValidatedGrammar(compiled.spec if compiled is not None else None, compiled, options)
         return kwargs
+
+    def _host(self) -> Host:
+        """What the core's gate checks a call against: the vocabulary (``logit_bias``), llama.cpp's meaning of a
+        negative temperature (the full distribution, see ``sampling_params``) and of top_k <= 0 (off)."""
+        return Host("SpecLlama", prompt_types=(), vocab_size=int(self.n_vocab()),
+                    ranges=(("temperature", (False, None, None)), ("top_k", (True, None, 2**31 - 1))))
 
     def create_completion(self, prompt, *args, **kwargs):
         return self._reported(super().create_completion(prompt, *args, **self._prepare(kwargs, 16)))

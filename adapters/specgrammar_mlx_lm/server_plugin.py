@@ -22,26 +22,34 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
   leaves the target cache one token short of the key it is stored under; the patch fixes the stock path too).
 - compiles past ``SPECGRAMMAR_COMPILE_TIMEOUT_S`` are killed, not left running: the server sets
   ``compile_isolation="process"`` (``compile_worker``) unless ``SPECGRAMMAR_COMPILE_ISOLATION`` says otherwise.
+- every request goes through the core's gate first (``check_request``): numbers finite and in range, unknown
+  ``specgrammar`` keys, ``n > 1``, a ``model`` this server does not serve (404 at once), ``adapters`` /
+  ``draft_model`` (files mlx-lm would load on a client's say: fixed at start-up), prompt + ``max_tokens`` against
+  the context length (a request without ``max_tokens`` gets ``--max-tokens`` cut to what the context leaves).
 - options: ``--specgrammar-engine NAME`` (default: the core's), ``--specgrammar-k N`` (default
-  ``--num-draft-tokens``).
+  ``--num-draft-tokens``), ``--specgrammar-recipes DIR`` (the packs requests may name, besides the shipped ones),
+  ``--specgrammar-context-length N`` (default: the model config's ``max_position_embeddings``).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pluggy
 
-from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, RequestError, SpecOptions, check_budget,
-                                     parse_request, registered_drafters, resolve_pack)
+from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, Host, RequestError, SpecOptions,
+                                     check_budget, check_request, registered_drafters, resolve_pack_name)
 
 hookimpl = pluggy.HookimplMarker("mlx_lm.server")
 log = logging.getLogger("specgrammar.mlx_lm")
 
-_config = {"engine": None, "k": None}
+_config = {"engine": None, "k": None, "recipes": None, "context_length": None}
 
 
 @dataclass
@@ -61,15 +69,25 @@ def add_arguments(parser):
                         help="grammar engine for constrained requests (xgrammar, llguidance, outlines_core, dfa)")
     parser.add_argument("--specgrammar-k", type=int, default=None,
                         help="draft tokens per round for our loop (default: --num-draft-tokens)")
+    parser.add_argument("--specgrammar-recipes", default=None, metavar="DIR",
+                        help="folder of recipe packs (NAME.json) a request may name with specgrammar.recipe, "
+                             "besides the shipped packs; requests name packs, never paths")
+    parser.add_argument("--specgrammar-context-length", type=int, default=None, metavar="N",
+                        help="the model's context length in tokens (default: its config's max_position_embeddings)")
 
 
 @hookimpl
 def configure(cli_args, model_provider):
     _config["engine"] = getattr(cli_args, "specgrammar_engine", None)
     _config["k"] = getattr(cli_args, "specgrammar_k", None)
+    recipes = getattr(cli_args, "specgrammar_recipes", None)
+    if recipes is not None and not Path(recipes).is_dir():
+        raise SystemExit(f"--specgrammar-recipes {recipes!r} is not a folder")
+    _config["recipes"] = str(Path(recipes).resolve()) if recipes is not None else None
+    _config["context_length"] = getattr(cli_args, "specgrammar_context_length", None)
     # a server abandons a compile past the time limit for real: the compiling process is killed (see
     # compile_worker); SPECGRAMMAR_COMPILE_ISOLATION=thread keeps compiles in-process
-    LIMITS.compile_isolation = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "process")
+    LIMITS.compile_isolation = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "process").strip()
     if LIMITS.compile_isolation == "process":
         COMPILE_POOL.prestart()
     _widen_listen_backlog()
@@ -95,13 +113,21 @@ def _engine(options: SpecOptions) -> str | None:
     return options.engine or _config["engine"]
 
 
+_started = threading.Event()  # set once the default model was seen loaded
+
+
 def _wait_for_model(model_provider, timeout: float = 120.0):
-    """The default model loads on the generation thread at start-up; requests may arrive before it is ready."""
+    """The default model loads on the generation thread at start-up; requests may arrive before it is ready.
+    Only then: once it was loaded, a request never waits here (a model that is missing later, after a failed
+    load, must not stall every request for ``timeout``)."""
     t0 = time.monotonic()
-    while model_provider.model is None and getattr(model_provider.cli_args, "model", None):
+    while (not _started.is_set() and model_provider.model is None
+           and getattr(model_provider.cli_args, "model", None)):
         if time.monotonic() - t0 > timeout:
             break
         time.sleep(0.05)
+    if model_provider.model is not None:
+        _started.set()
     return model_provider.model, model_provider.tokenizer
 
 
@@ -112,27 +138,105 @@ def _compile(spec, options: SpecOptions, model, tokenizer):
     return compile_for(spec, tokenizer, output_width(model), _engine(options))
 
 
+class _Counter:
+    """Counts a request's prompt tokens as the server will (its chat template), in the handler thread, on a copy
+    of the server's tokenizer (the generation thread's own is not shared across threads), one at a time."""
+
+    def __init__(self, tokenizer, cli_args):
+        self.tok = copy.deepcopy(tokenizer)
+        self.template_args = dict(getattr(cli_args, "chat_template_args", None) or {})
+        self.lock = threading.Lock()
+
+    def __call__(self, body: dict) -> int:
+        with self.lock:
+            try:
+                if "messages" not in body:
+                    return len(self.tok.encode(body["prompt"]))
+                return len(self._chat(body))
+            except RequestError:
+                raise
+            except Exception as e:  # the template refused the messages (jinja's raise_exception, a TypeError)
+                reason = str(e).strip().splitlines()[0][:200] if type(e).__name__ == "TemplateError" else ""
+                raise RequestError("messages cannot be formatted with the model's chat template"
+                                   + (f": {reason}" if reason else ""), field="messages") from None
+
+    def _chat(self, body: dict) -> list[int]:
+        messages = [dict(m) for m in body["messages"]]
+        for m in messages:  # content parts -> their text (images are counted by the host's own processor)
+            if isinstance(m.get("content"), list):
+                m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p.get("text"), str))
+        if not getattr(self.tok, "has_chat_template", False):
+            text = "\n".join(str(m.get("content") or "") for m in messages)
+            return self.tok.encode(text)
+        kwargs = dict(self.template_args)
+        if isinstance(body.get("chat_template_kwargs"), dict):
+            kwargs.update(body["chat_template_kwargs"])
+        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tools=body.get("tools") or None,
+                                            tokenize=True, **kwargs)
+
+
+_host_cache: dict = {}
+
+
+def _host(model_provider) -> Host:
+    """What the gate checks requests against: the served model's names, context length, vocabulary, and the
+    fields mlx-lm would otherwise take from a request to load files (``adapters``, ``draft_model``)."""
+    model, tokenizer = _wait_for_model(model_provider)
+    cli = model_provider.cli_args
+    hit = _host_cache.get("host")
+    if hit is not None and hit[0] is model and hit[1] is tokenizer:
+        return hit[2]
+    names = ["default_model"]
+    if getattr(cli, "model", None):
+        names.append(cli.model)
+        if Path(cli.model).exists():
+            names.append(str(Path(cli.model).resolve()))
+    fixed = (("adapters", (getattr(cli, "adapter_path", None),)),
+             ("draft_model", ("default_model", getattr(cli, "draft_model", None))))
+    kw = {}
+    if model is not None and tokenizer is not None:
+        from .processor import tokenizer_info
+        from .runner import output_width
+
+        width = output_width(model)
+        info = tokenizer_info(tokenizer, width)
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        specials = [len(str(t).encode("utf-8")) for t in getattr(hf, "added_tokens_decoder", {}).values()]
+        ctx = _config["context_length"] or getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        kw = dict(context_length=int(ctx) if ctx else None, vocab_size=width,
+                  max_token_bytes=max([1, *map(len, info.token_bytes), *specials]),
+                  count_tokens=_Counter(tokenizer, cli))
+    host = Host("the mlx-lm server", models=tuple(dict.fromkeys(names)), fixed=fixed,
+                default_max_tokens=getattr(cli, "max_tokens", None), **kw)
+    _host_cache["host"] = (model, tokenizer, host)
+    return host
+
+
 @hookimpl
 def request_fields(body, model_provider):
-    spec, options = parse_request(body)  # ConstraintError is a ValueError: the server answers 400
+    # the gate: every field checked before any work (RequestError / ConstraintError are ValueErrors: the server
+    # answers their status, 400 or 404)
+    checked = check_request(body, _host(model_provider))
+    if not checked.max_tokens_given and checked.max_tokens is not None:
+        body["max_tokens"] = checked.max_tokens  # the server's default, cut to what the context leaves
+    spec, options = checked.spec, checked.options
     explicit = body.get("specgrammar") is not None
     if spec is None and not explicit:
         return None
     known = registered_drafters()
     bad = [d for d in options.drafters if d not in known]
     if bad:
-        raise RequestError(f"unknown drafter(s) {', '.join(map(repr, bad))}; available: {', '.join(sorted(known))}")
+        raise RequestError(f"unknown drafter(s) {', '.join(map(repr, bad))}; available: {', '.join(sorted(known))}",
+                           field="specgrammar.drafters")
     if options.recipe:
-        resolve_pack(options.recipe)  # RecipePackError (a ValueError): 400 naming the shipped packs
+        # a name, looked up in --specgrammar-recipes then the shipped packs (RecipePackError: 400)
+        options = replace(options, recipe=str(resolve_pack_name(options.recipe, _config["recipes"])))
     certified = False
     if spec is not None:
         model, tokenizer = _wait_for_model(model_provider)
         if model is not None:
             compiled = _compile(spec, options, model, tokenizer)  # validates now; the compile cache keeps it
-            max_tokens = body.get("max_completion_tokens")
-            if max_tokens is None:
-                max_tokens = body.get("max_tokens", getattr(model_provider.cli_args, "max_tokens", None))
-            fit = check_budget(compiled, options, max_tokens if isinstance(max_tokens, int) else None)
+            fit = check_budget(compiled, options, checked.max_tokens)  # the gate's: the request's or the default
             certified = fit is not None and fit.settles  # BudgetError above: 400 naming the shortest length
     return {"specgrammar": RequestPlan(spec, options, explicit, certified)}
 

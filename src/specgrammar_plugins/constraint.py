@@ -60,11 +60,21 @@ class ConstraintSpec:
 
     @classmethod
     def json_schema(cls, schema: dict | str | bool, **kw) -> "ConstraintSpec":
+        from . import nesting
+
         if isinstance(schema, str):
+            why = nesting.too_deep("the JSON schema", nesting.json_text_depth(schema))
+            if why:
+                raise ConstraintError(why, kind="json_schema")
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise ConstraintError(f"JSON schema is not valid JSON: {e}", kind="json_schema") from None
+            except RecursionError:
+                raise ConstraintError("the JSON schema nests too deeply", kind="json_schema") from None
+        why = nesting.too_deep("the JSON schema", nesting.json_depth(schema, nesting.MAX_NESTING))
+        if why:  # before anything that walks it recursively
+            raise ConstraintError(why, kind="json_schema")
         if not isinstance(schema, (dict, bool)):
             raise ConstraintError(f"JSON schema must be an object or a boolean, got {type(schema).__name__}",
                                   kind="json_schema")
@@ -72,7 +82,11 @@ class ConstraintSpec:
 
         # compact but order-preserving: engines generate properties in the schema's declared order, so two
         # schemas that differ only in key order are different constraints (and different cache keys)
-        return cls("json_schema", json.dumps(normalize(schema), separators=(",", ":"), ensure_ascii=False), **kw)
+        try:
+            text = json.dumps(normalize(schema), separators=(",", ":"), ensure_ascii=False)
+        except RecursionError:
+            raise ConstraintError("the JSON schema nests too deeply", kind="json_schema") from None
+        return cls("json_schema", text, **kw)
 
     @classmethod
     def grammar(cls, text: str, syntax: str = "gbnf", **kw) -> "ConstraintSpec":
@@ -170,6 +184,9 @@ class CompiledConstraint:
 
     # set by the compiler for a spec with a trigger: ``wrap(compiled, inner) -> Matcher`` (``trigger.TriggeredMatcher``)
     wrap: Any = field(default=None, repr=False)
+    # the exact rewrites applied to a JSON Schema before the engine compiled it (``schema_rewrite.Rewrite``s);
+    # ``spec`` is then the rewritten schema's spec (for a spec with a trigger: the request's)
+    rewrites: tuple = ()
 
     def matcher(self) -> Matcher:
         m = self.make_matcher(self)

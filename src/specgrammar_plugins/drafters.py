@@ -29,6 +29,14 @@ from .masks import single_allowed
 from .prefix import common_prefix_len
 
 
+def whole_utf8(data: bytes) -> str:
+    """The longest prefix of ``data`` made of whole UTF-8 characters, decoded (invalid bytes end it too)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return data[: e.start].decode("utf-8")
+
+
 class ForcedDrafter:
     """Tokens the grammar forces next, read off the block's own masks (a position whose mask allows one token, never
     a stop token), then, where that walk ends, the tokenized jump-forward string (one-hot drafts).  Fills no mask
@@ -52,22 +60,15 @@ class ForcedDrafter:
             return n
         # the single-token walk ends here: the bytes every continuation starts with, tokenized as the model would;
         # the string's last token may merge with the text that follows it (forced 'age"' then ':' is tokenized
-        # 'age' '":' by the model), so a draft of it would be rejected: propose the others
-        text = utf8_prefix(block.matcher.jump_forward())
+        # 'age' '":' by the model), so a draft of it would be rejected: propose the others.  Forced bytes may end
+        # inside a UTF-8 sequence (the branch point of "👍"/"👎"): only whole characters are tokenized, never a
+        # partial sequence decoded
+        text = whole_utf8(block.matcher.jump_forward())
         for t in (self.encode(text)[:-1] if text else [])[:budget]:
             if not block.push(t, None, "forced"):
                 break
             n += 1
         return n
-
-
-def utf8_prefix(data: bytes) -> str:
-    """The longest prefix of ``data`` that is whole UTF-8 text (a jump-forward string may end inside a
-    character: its tail is left to the next position)."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return data[: e.start].decode("utf-8")
 
 
 class ModelDrafter:

@@ -13,6 +13,8 @@ they say "empty" only when it is certain, so a language they pass may still be e
 - GBNF: the classic productive-symbol fixpoint: a rule is productive when one of its alternatives has only
   productive parts (literals, non-empty classes, optional/starred parts, productive rules).  The language is empty
   when ``root`` is not productive.
+- JSON Schema: the same fixpoint over subschemas (``schema_unproductive``): a schema whose every instance would
+  contain itself (a required property, a required item or a ``$ref`` chain leading back) has no finite instance.
 """
 
 from __future__ import annotations
@@ -197,17 +199,143 @@ def gbnf_unproductive_root(text: str) -> bool:
     return "root" not in productive
 
 
+# ---------------------------------------------------------------------------------------------- JSON Schema
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+
+
+def _schema_nodes(schema) -> dict[str, object]:
+    """JSON pointer -> subschema, for every subschema reachable through schema keywords (walked without recursion)."""
+    nodes: dict[str, object] = {}
+    stack = [("", schema)]
+    while stack:
+        ptr, node = stack.pop()
+        nodes[ptr] = node
+        if not isinstance(node, dict):
+            continue
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack += [(f"{ptr}/{key}/{_esc(name)}", sub) for name, sub in node[key].items()]
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack += [(f"{ptr}/{key}/{i}", sub) for i, sub in enumerate(node[key])]
+        for key in _SUBSCHEMA_ONE:
+            if isinstance(node.get(key), (dict, bool)):
+                stack.append((f"{ptr}/{key}", node[key]))
+    return nodes
+
+
+def _esc(name: str) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
+def _needs(node, nodes: dict) -> list[list[str]] | None:
+    """What makes ``node`` have a finite instance, as alternatives of conjunctions of subschema pointers
+    (``[[]]``: nothing needed; ``[]``: impossible); None when this check does not model the node (then it is
+    taken as satisfiable: the check only says "empty" when it is certain)."""
+    if node is True:
+        return [[]]
+    if node is False:
+        return []
+    if not isinstance(node, dict):
+        return None
+    if "const" in node or (isinstance(node.get("enum"), list) and node["enum"]):
+        return [[]]
+    need: list[str] = []
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        if not (ref == "#" or ref.startswith("#/")) or ref[1:] not in nodes:
+            return None  # a remote or unresolvable reference: the engine's to judge
+        need.append(ref[1:])
+    if isinstance(node.get("allOf"), list):
+        need += [f"{node['_ptr']}/allOf/{i}" for i in range(len(node["allOf"]))]
+    alts: list[list[str]] = [need]
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list) and node[key]:
+            alts = [a + [f"{node['_ptr']}/{key}/{i}"] for a in alts for i in range(len(node[key]))]
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+    if not types or any(t not in ("object", "array") for t in types):
+        return alts  # a scalar (or any) type satisfies what remains
+    by_type: list[list[str]] = []
+    for t in types:
+        if t == "object":
+            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            req = [r for r in node.get("required", []) if isinstance(r, str)] if isinstance(
+                node.get("required"), list) else []
+            parts: list[str] = []
+            ok = True
+            for r in req:
+                if r in props:
+                    parts.append(f"{node['_ptr']}/properties/{_esc(r)}")
+                elif node.get("additionalProperties") is False and not node.get("patternProperties"):
+                    ok = False  # required, yet no property may have that name
+                elif isinstance(node.get("additionalProperties"), (dict, bool)) and not node.get("patternProperties"):
+                    parts.append(f"{node['_ptr']}/additionalProperties")
+            if ok:
+                by_type.append(parts)
+        else:
+            n = node.get("minItems", 0)
+            n = n if isinstance(n, int) and not isinstance(n, bool) else 0
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            parts = [f"{node['_ptr']}/prefixItems/{i}" for i in range(min(n, len(prefix)))]
+            if n > len(prefix) and isinstance(node.get("items"), (dict, bool)):
+                parts.append(f"{node['_ptr']}/items")
+            by_type.append(parts)
+    return [a + b for a in alts for b in by_type]
+
+
+def schema_unproductive(schema) -> str | None:
+    """Where a JSON Schema has no finite instance, or None.  The productive-symbol fixpoint (as for GBNF) over
+    subschemas: a subschema is productive when one of its alternatives needs only productive subschemas
+    (required properties, ``minItems`` items, ``$ref`` targets, ``allOf`` members, one ``anyOf``/``oneOf``
+    member).  ``{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}`` is not: every
+    instance would contain itself.  Keywords this does not model count as satisfiable (no false refusals)."""
+    nodes = _schema_nodes(schema)
+    for ptr, node in nodes.items():
+        if isinstance(node, dict):
+            nodes[ptr] = {**node, "_ptr": ptr}
+    needs = {ptr: _needs(node, nodes) for ptr, node in nodes.items()}
+    productive = {ptr for ptr, alts in needs.items() if alts is None or any(not a for a in alts)}
+    waiting: dict[str, list[str]] = {}
+    for ptr, alts in needs.items():
+        if ptr not in productive:
+            for a in alts:
+                for dep in a:
+                    waiting.setdefault(dep, []).append(ptr)
+    work = list(productive)
+    while work:  # worklist: re-check a subschema only when one it needs became productive
+        dep = work.pop()
+        for ptr in waiting.pop(dep, ()):
+            if ptr not in productive and any(all(d in productive for d in a) for a in needs[ptr]):
+                productive.add(ptr)
+                work.append(ptr)
+    if "" in productive:
+        return None
+    return "no finite JSON value satisfies the schema (every instance would have to contain itself: a required " \
+           "property, item or $ref that leads back to where it started)"
+
+
 @lru_cache(maxsize=1024)
 def _why_empty(kind: str, syntax: str | None, value) -> str | None:
     if kind == "regex" and regex_is_empty(value):
         return "a part of the regex that must occur allows no character"
     if kind == "grammar" and syntax == "gbnf" and gbnf_unproductive_root(value):
         return "no derivation of 'root' ever ends (every alternative needs a rule that never finishes)"
+    if kind == "json_schema" and isinstance(value, str):
+        import json
+
+        try:
+            schema = json.loads(value)
+        except (ValueError, RecursionError):
+            return None
+        return schema_unproductive(schema)
     return None
 
 
 def check_not_empty(spec, engine: str | None = None) -> None:
     """Raise ``ConstraintError`` ("matches no string") when ``spec``'s language is certainly empty."""
-    why = _why_empty(spec.kind, spec.syntax, spec.value) if spec.kind in ("regex", "grammar") else None
+    why = _why_empty(spec.kind, spec.syntax, spec.value) if spec.kind in ("regex", "grammar", "json_schema") else None
     if why:
         raise ConstraintError(f"the constraint matches no string: {why}", engine=engine, kind=spec.kind)

@@ -43,4 +43,13 @@ class BudgetError(ConstraintError):
 
 
 class RequestError(SpecGrammarError, ValueError):
-    """A request option is malformed (unknown drafter, bad k, ...). Servers answer HTTP 400."""
+    """A request option is malformed (unknown drafter, bad k, ...). Servers answer HTTP 400.
+
+    ``field`` names the request field at fault (``"temperature"``, ``"specgrammar.k"``, ...) when one is;
+    ``status_code`` is the HTTP status a server answers with (400; 404 for a model the server does not serve).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, status_code: int = 400):
+        super().__init__(message)
+        self.field = field
+        self.status_code = status_code

@@ -9,6 +9,8 @@ from typing import Sequence
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
+    if isinstance(a, list) and isinstance(b, list) and a[:n] == b[:n]:
+        return n  # the common case (one extends the other), compared in C: a history synced every step
     i = 0
     while i < n and a[i] == b[i]:
         i += 1

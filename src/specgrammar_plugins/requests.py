@@ -18,11 +18,13 @@ Parsers are registered through the ``register_request_parsers`` hook; the built-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .constraint import GRAMMAR_SYNTAXES, ConstraintSpec
-from .errors import ConstraintError
+from .errors import ConstraintError, RequestError
+from .recipes.pack import PACK_NAME  # a request names a pack, never a path (``recipes.pack.resolve_name``)
 
 DEFAULT_DRAFTERS = ("forced", "recipe", "model")
 MAX_K = 32
@@ -49,33 +51,65 @@ def _need(cond: bool, msg: str) -> None:
         raise ConstraintError(msg)
 
 
+def _opt(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise RequestError(f"specgrammar.{name} {msg}", field=f"specgrammar.{name}")
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    """A JSON number that is finite (``NaN`` / ``Infinity``, which Python's json module reads, are not)."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and (isinstance(v, int) or math.isfinite(v)))
+
+
+OPTION_KEYS = ("k", "drafters", "engine", "recipe", "trigger", "budget", "lambda", "adaptive", "budget_mask")
+MAX_BUDGET = 1 << 20
+MAX_LAMBDA = 1e6
+MAX_TRIGGER_CHARS = 256
+MAX_DRAFTERS = 16
+
+
 def parse_options(obj: Any) -> SpecOptions:
+    """The ``specgrammar`` request object.  Every key is checked: an unknown key, a non-finite or out-of-range
+    number, or a recipe given as a path raises ``RequestError`` naming the field (servers answer 400)."""
     if obj is None:
         return SpecOptions()
-    _need(isinstance(obj, dict), "'specgrammar' must be an object")
-    known = {"k", "drafters", "engine", "recipe", "trigger", "budget", "lambda", "adaptive", "budget_mask"}
+    if not isinstance(obj, dict):
+        raise RequestError("'specgrammar' must be an object", field="specgrammar")
+    unknown = sorted(str(k_) for k_ in obj if k_ not in OPTION_KEYS)
+    if unknown:
+        raise RequestError(f"unknown option(s) {', '.join('specgrammar.' + k_ for k_ in unknown)} (known: "
+                           f"{', '.join(OPTION_KEYS)})", field=f"specgrammar.{unknown[0]}")
     k = obj.get("k")
-    if k is not None:
-        _need(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= MAX_K,
-              f"specgrammar.k must be an integer in [0, {MAX_K}]")
+    _opt(k is None or (is_int(k) and 0 <= k <= MAX_K), "k", f"must be an integer in [0, {MAX_K}]")
     drafters = obj.get("drafters", DEFAULT_DRAFTERS)
-    _need(isinstance(drafters, (list, tuple)) and all(isinstance(d, str) for d in drafters),
-          "specgrammar.drafters must be a list of drafter names")
+    _opt(isinstance(drafters, (list, tuple)) and len(drafters) <= MAX_DRAFTERS
+         and all(isinstance(d, str) for d in drafters), "drafters",
+         f"must be a list of at most {MAX_DRAFTERS} drafter names")
     engine = obj.get("engine")
-    _need(engine is None or isinstance(engine, str), "specgrammar.engine must be a string")
-    for name in ("recipe", "trigger"):
-        _need(obj.get(name) is None or isinstance(obj.get(name), str), f"specgrammar.{name} must be a string")
+    _opt(engine is None or isinstance(engine, str), "engine", "must be a string")
+    recipe = obj.get("recipe")
+    _opt(recipe is None or (isinstance(recipe, str) and PACK_NAME.fullmatch(recipe) is not None), "recipe",
+         "must be the name of a recipe pack (letters, digits, '_', '-', '.'; not a path)")
+    trigger = obj.get("trigger")
+    _opt(trigger is None or (isinstance(trigger, str) and 0 < len(trigger) <= MAX_TRIGGER_CHARS), "trigger",
+         f"must be a non-empty string of at most {MAX_TRIGGER_CHARS} characters")
     budget = obj.get("budget")
-    _need(budget is None or (isinstance(budget, int) and budget > 0), "specgrammar.budget must be a positive integer")
+    _opt(budget is None or (is_int(budget) and 0 < budget <= MAX_BUDGET), "budget",
+         f"must be an integer in [1, {MAX_BUDGET}]")
     lam = obj.get("lambda")
-    _need(lam is None or (isinstance(lam, (int, float)) and lam >= 0), "specgrammar.lambda must be a number >= 0")
+    _opt(lam is None or (is_number(lam) and 0 <= lam <= MAX_LAMBDA), "lambda",
+         f"must be a finite number in [0, {MAX_LAMBDA:g}]")
     adaptive = obj.get("adaptive", False)
-    _need(isinstance(adaptive, bool), "specgrammar.adaptive must be true or false")
+    _opt(isinstance(adaptive, bool), "adaptive", "must be true or false")
     budget_mask = obj.get("budget_mask")
-    _need(budget_mask is None or isinstance(budget_mask, bool), "specgrammar.budget_mask must be true or false")
-    return SpecOptions(k, tuple(drafters), engine, obj.get("recipe"), obj.get("trigger"), budget,
-                       None if lam is None else float(lam), adaptive,
-                       {k_: v for k_, v in obj.items() if k_ not in known}, budget_mask)
+    _opt(budget_mask is None or isinstance(budget_mask, bool), "budget_mask", "must be true or false")
+    return SpecOptions(k, tuple(drafters), engine, recipe, trigger, budget, None if lam is None else float(lam),
+                       adaptive, budget_mask=budget_mask)
 
 
 def _schema_spec(schema: Any, where: str) -> ConstraintSpec:
@@ -120,23 +154,33 @@ def _response_format(rf: Any) -> ConstraintSpec | None:
     raise ConstraintError(f"unsupported response_format type {t!r} (json_schema, json_object, regex, grammar, text)")
 
 
-def _structured_outputs(so: Any) -> list[ConstraintSpec]:
+def _structured_outputs(so: Any, prefix: str = "structured_outputs.") -> list[ConstraintSpec]:
+    """``structured_outputs`` as vLLM spells it (``prefix``: how the fields are named in errors)."""
     _need(isinstance(so, dict), "structured_outputs must be an object")
     out = []
     if so.get("json") is not None:
-        out.append(_schema_spec(so["json"], "structured_outputs.json"))
+        out.append(_schema_spec(so["json"], f"{prefix}json"))
     if so.get("regex") is not None:
-        out.append(_regex_spec(so["regex"], "structured_outputs.regex"))
+        out.append(_regex_spec(so["regex"], f"{prefix}regex"))
     if so.get("choice") is not None:
-        ch = so["choice"]
-        _need(isinstance(ch, list) and ch and all(isinstance(c, str) and c for c in ch),
-              "structured_outputs.choice must be a non-empty list of strings")
-        out.append(ConstraintSpec.choice(ch))
+        out.append(_choice_spec(so["choice"], f"{prefix}choice"))
     if so.get("grammar") is not None:
-        out.append(_grammar_spec(so["grammar"], so.get("grammar_syntax"), "structured_outputs.grammar"))
+        out.append(_grammar_spec(so["grammar"], so.get("grammar_syntax"), f"{prefix}grammar"))
     if so.get("json_object"):
         out.append(ConstraintSpec.json(options=(("object_only", True),)))
     return out
+
+
+# vLLM's older per-request spellings (removed in vLLM 0.32, which now ignores them): honoured as their
+# ``structured_outputs`` equivalents; the two that chose a backend or whitespace are refused (nothing honours them).
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED_REFUSED = ("guided_decoding_backend", "guided_whitespace_pattern")
+
+
+def _choice_spec(ch: Any, where: str) -> ConstraintSpec:
+    _need(isinstance(ch, list) and ch and all(isinstance(c, str) and c for c in ch),
+          f"{where} must be a non-empty list of non-empty strings")
+    return ConstraintSpec.choice(ch)
 
 
 def parse_openai(body: dict) -> ConstraintSpec | None:
@@ -153,12 +197,16 @@ def parse_openai(body: dict) -> ConstraintSpec | None:
     if body.get("json_schema") is not None:
         found.append(("json_schema", _schema_spec(body["json_schema"], "json_schema")))
     if body.get("choice") is not None:
-        ch = body["choice"]
-        _need(isinstance(ch, list) and ch and all(isinstance(c, str) and c for c in ch),
-              "choice must be a non-empty list of strings")
-        found.append(("choice", ConstraintSpec.choice(ch)))
+        found.append(("choice", _choice_spec(body["choice"], "choice")))
     if body.get("structured_outputs") is not None:
         found += [("structured_outputs", s) for s in _structured_outputs(body["structured_outputs"])]
+    for name in GUIDED_REFUSED:
+        if body.get(name) is not None:
+            raise RequestError(f"{name} is not supported (vLLM removed it in 0.32); choose the engine with "
+                               "specgrammar.engine where the host honours it", field=name)
+    for name, so_name in GUIDED.items():
+        if body.get(name) is not None:
+            found += [(name, s) for s in _structured_outputs({so_name: body[name]}, "guided_")]
     if len(found) > 1:
         raise ConstraintError("only one constraint may be given per request; got " +
                               ", ".join(name for name, _ in found))

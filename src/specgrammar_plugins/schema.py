@@ -6,12 +6,17 @@ and its JSON pointer.  Annotations (title, description, default, examples, ...),
 JSON Schema does not define are ignored, as every validator ignores them.  Turn strict off per request with the
 spec option ``("strict", False)`` to let the engine decide (it may then ignore keywords).
 
-The ENFORCED tables were measured, not guessed: ``tests/test_schema_coverage.py`` runs the MaskBench dev corpus
-and checks that for every schema we accept, no invalid instance is accepted by the engine's matcher.
+Exact rewrites (``schema_rewrite.py``) run first: the check reads the rewritten schema, and names keywords by their
+pointer in the schema as given (``origins``).
+
+The ENFORCED tables were measured, not guessed: ``tests/test_schema_keywords.py`` holds every keyword against every
+engine on instances that violate only that keyword (each must be rejected, or strict mode must refuse the keyword),
+and ``tests/test_schema_coverage.py`` runs the JSON-Schema-Test-Suite and a MaskBench dev sample.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -34,17 +39,24 @@ _COMMON = frozenset({"type", "enum", "const", "properties", "required", "additio
                      "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 
 ENFORCED: dict[str, frozenset[str]] = {
-    # llguidance refuses what it cannot enforce (oneOf only when provably equal to anyOf); see its json README
-    "llguidance": _COMMON | {"oneOf", "multipleOf"},
-    # xgrammar 0.2.8 does not intersect allOf branches (MaskBench Github_easy---o58616: invalid instances accepted)
-    "xgrammar": _COMMON - {"allOf"},
-    "outlines_core": frozenset({"type", "enum", "const", "properties", "required", "items", "prefixItems", "minItems",
+    # llguidance refuses what it cannot enforce (patternProperties only when disjoint, min/maxProperties only beside
+    # all-required properties); see its json README.  Its oneOf (taken only when provably equal to anyOf) is left
+    # to schema_rewrite, which proves more and turns it into anyOf, so what is left is refused with its pointer
+    "llguidance": _COMMON | {"multipleOf", "patternProperties", "minProperties", "maxProperties"},
+    # xgrammar 0.2.8 does not intersect allOf branches (MaskBench Github_easy---o58616: invalid instances accepted),
+    # and its JSON Schema pattern is not the regex: "^[0-9](x[0-9]+)?Z$" takes "01Z" (its regex constraints do not)
+    "xgrammar": _COMMON - {"allOf", "pattern"},
+    # outlines-core 0.2.14's prefixItems accepts no instance at all ([1] for prefixItems [{type: integer}])
+    "outlines_core": frozenset({"type", "enum", "const", "properties", "required", "items", "minItems",
                                 "maxItems", "anyOf", "$ref", "pattern", "minLength", "maxLength", "format"}),
 }
+# The formats each engine checks exactly as jsonschema does (tests/test_schema_keywords.py).  date, date-time and
+# time are no engine's: every one accepts 2023-02-29 or 12:00:60Z; schema_rewrite turns them into exact patterns.
+# duration is left out: jsonschema here has no checker to hold an engine's against.
 FORMATS: dict[str, frozenset[str]] = {
-    "llguidance": frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid"}),
-    "xgrammar": frozenset({"date-time", "time", "date", "email", "ipv4", "ipv6", "uuid", "hostname"}),
-    "outlines_core": frozenset({"date-time", "time", "date", "uuid", "email"}),
+    "llguidance": frozenset({"email", "hostname", "ipv4", "ipv6", "uuid", "uri"}),
+    "xgrammar": frozenset({"email", "ipv6", "uuid"}),  # its hostname takes 64-byte labels, its ipv4 01.2.3.4
+    "outlines_core": frozenset({"uuid"}),  # its email takes ""
 }
 # Schema-valued and list-of-schema keywords (where the walk descends)
 _SUB = ("additionalProperties", "items", "not", "contains", "propertyNames", "if", "then", "else",
@@ -57,24 +69,30 @@ def _esc(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def walk(schema: Any, pointer: str = "") -> Iterator[tuple[str, str, Any, dict]]:
-    """Yield (keyword, JSON pointer of the keyword, value, owning schema) for every keyword of every sub-schema."""
+def walk(schema: Any, pointer: str = "", origins: dict[int, str] | None = None
+         ) -> Iterator[tuple[str, str, Any, dict]]:
+    """Yield (keyword, JSON pointer of the keyword, value, owning schema) for every keyword of every sub-schema.
+
+    ``origins`` (id of a sub-schema -> its pointer in the schema as given: ``schema_rewrite.Rewritten.origins``)
+    makes the pointers those of the schema before rewriting."""
     if not isinstance(schema, dict):
         return
+    if origins:
+        pointer = origins.get(id(schema), pointer)
     for kw, val in schema.items():
         yield kw, f"{pointer}/{_esc(kw)}", val, schema
         if kw in _SUB_MAP and isinstance(val, dict):
             for name, sub in val.items():
-                yield from walk(sub, f"{pointer}/{_esc(kw)}/{_esc(name)}")
+                yield from walk(sub, f"{pointer}/{_esc(kw)}/{_esc(name)}", origins)
         elif kw in _SUB_LIST and isinstance(val, list):
             for i, sub in enumerate(val):
-                yield from walk(sub, f"{pointer}/{_esc(kw)}/{i}")
+                yield from walk(sub, f"{pointer}/{_esc(kw)}/{i}", origins)
         elif kw in _SUB and isinstance(val, dict):
-            yield from walk(val, f"{pointer}/{_esc(kw)}")
+            yield from walk(val, f"{pointer}/{_esc(kw)}", origins)
         elif kw == "dependencies" and isinstance(val, dict):
             for name, sub in val.items():
                 if isinstance(sub, dict):
-                    yield from walk(sub, f"{pointer}/{_esc(kw)}/{_esc(name)}")
+                    yield from walk(sub, f"{pointer}/{_esc(kw)}/{_esc(name)}", origins)
 
 
 @dataclass
@@ -95,18 +113,45 @@ _NEEDS_TYPE = {"xgrammar": frozenset({"minItems", "maxItems", "items", "prefixIt
                                       "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
                                       "exclusiveMaximum", "required", "properties", "additionalProperties"})}
 _NO_ID_REFS = frozenset({"xgrammar"})
+# outlines-core 0.2.14 reads {"properties": {"a": false}} ("a" must be absent) as no constraint: {"a": true} passes
+_NO_FALSE_PROPERTIES = frozenset({"outlines_core"})
+# keyword -> siblings beside which the engine ignores it (xgrammar 0.2.8 logs "pattern combined with
+# minLength/maxLength is not supported; ignoring minLength/maxLength" and accepts "aa" for {pattern: "^a+$",
+# minLength: 3}; a warning it logs that this table misses is refused at compile time, see xgrammar_engine)
+_IGNORED_BESIDE = {"xgrammar": {"minLength": ("pattern",), "maxLength": ("pattern",)}}
 
 
-def check_schema(schema: Any, engine: str) -> SchemaReport:
-    """Classify every keyword of ``schema`` for ``engine``."""
+def _extra_keys_repeat(owner: dict, val: Any) -> bool:
+    """minProperties that extra keys would have to meet: engines do not keep the keys that ``additionalProperties``
+    / ``patternProperties`` allow unique (``{"a": 1, "a": 2}`` passes ``minProperties: 2`` token by token, and is
+    one property once parsed), so only the required keys plus one more are sure to be distinct."""
+    if owner.get("additionalProperties") is False and not owner.get("patternProperties"):
+        return False
+    req = owner.get("required") if isinstance(owner.get("required"), list) else []
+    return isinstance(val, (int, float)) and val > len(set(req)) + 1
+
+
+def check_schema(schema: Any, engine: str, origins: dict[int, str] | None = None) -> SchemaReport:
+    """Classify every keyword of ``schema`` for ``engine`` (``origins``: see ``walk``)."""
     rep = SchemaReport(engine)
     enforced = ENFORCED.get(engine)
     formats = FORMATS.get(engine, frozenset())
     needs_type = _NEEDS_TYPE.get(engine, frozenset())
+    ignored_beside = _IGNORED_BESIDE.get(engine, {})
     has_id = engine in _NO_ID_REFS and any(kw == "$id" for kw, *_ in walk(schema))
-    for kw, ptr, val, owner in walk(schema):
+    for kw, ptr, val, owner in walk(schema, "", origins):
         if kw in needs_type and "type" not in owner and not (kw == "additionalProperties" and val is True):
             rep.unsupported.append((f"{kw} (without a sibling 'type')", ptr))
+            continue
+        beside = [s for s in ignored_beside.get(kw, ()) if s in owner]
+        if beside:
+            rep.unsupported.append((f"{kw} (beside '{beside[0]}')", ptr))
+            continue
+        if kw == "minProperties" and _extra_keys_repeat(owner, val):
+            rep.unsupported.append(("minProperties (counting keys that may repeat)", ptr))
+            continue
+        if kw == "properties" and engine in _NO_FALSE_PROPERTIES and isinstance(val, dict) and False in val.values():
+            rep.unsupported.append(("properties (a property that must be absent: false)", ptr))
             continue
         if kw == "$ref" and has_id:
             rep.unsupported.append(("$ref (with $id base URIs)", ptr))
@@ -138,16 +183,43 @@ def check_schema(schema: Any, engine: str) -> SchemaReport:
     return rep
 
 
-def require_supported(schema: Any, engine: str) -> SchemaReport:
+def refusal(keyword: str, pointer: str, engine: str, more: int = 0, why: str = "") -> ConstraintError:
+    """Strict mode's error for a keyword ``engine`` does not enforce."""
+    more_s = f" (and {more} more)" if more else ""
+    why_s = f" ({why})" if why else ""
+    return ConstraintError(f"JSON Schema keyword '{keyword}' at {pointer or '/'} is not enforced by {engine}{more_s}"
+                           f"{why_s}; use another engine, or set strict=false to let the engine ignore it",
+                           engine=engine, kind="json_schema")
+
+
+def require_supported(schema: Any, engine: str, origins: dict[int, str] | None = None) -> SchemaReport:
     """Strict mode: raise ``ConstraintError`` naming the first unsupported keyword and its JSON pointer."""
-    rep = check_schema(schema, engine)
+    rep = check_schema(schema, engine, origins)
     if rep.unsupported:
         kw, ptr = rep.unsupported[0]
-        more = f" (and {len(rep.unsupported) - 1} more)" if len(rep.unsupported) > 1 else ""
-        raise ConstraintError(f"JSON Schema keyword '{kw}' at {ptr or '/'} is not enforced by {engine}{more}; "
-                              "use another engine, or set strict=false to let the engine ignore it",
-                              engine=engine, kind="json_schema")
+        raise refusal(kw, ptr, engine, len(rep.unsupported) - 1)
     return rep
+
+
+_IGNORING = re.compile(r"ignoring ([A-Za-z$]+(?:/[A-Za-z$]+)*)")
+
+
+def ignored_in_warning(schema: Any, message: str) -> tuple[str, str] | None:
+    """(keyword, pointer) an engine's warning says it ignores ("...; ignoring minLength/maxLength"), found in
+    ``schema``: the first place holding that keyword beside every other keyword the message names.  None when the
+    message names no ignored keyword."""
+    m = _IGNORING.search(message)
+    if m is None:
+        return None
+    ignored = m.group(1).split("/")
+    named = [k for k in re.findall(r"[A-Za-z$]+", message[: m.start()]) if k in VALIDATION and k not in ignored]
+    best = None
+    for kw, ptr, _, owner in walk(schema):
+        if kw in ignored:
+            if all(k in owner for k in named):
+                return kw, ptr
+            best = best or (kw, ptr)
+    return best or (ignored[0], "")
 
 
 _COUNTS = frozenset({"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",

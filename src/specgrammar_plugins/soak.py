@@ -42,7 +42,7 @@ INVALID = [
     ({"structured_outputs": {"regex": "[0-9"}}, ""),
     ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}}, ""),
 ]
-INVALID_VLLM_ONLY = [  # killed vLLM 0.32's engine core before our launcher's CheckSpecgrammarArgs
+INVALID_VLLM_ONLY = [  # killed vLLM 0.32's engine core before our launcher's gate (serve.SpecgrammarGate)
     ({"vllm_xargs": {"specgrammar": "recipe"}}, "vllm_xargs.specgrammar must be an object"),
 ]
 INVALID_MLX_ONLY = [  # fields only our mlx plugin reads (vLLM ignores unknown fields)

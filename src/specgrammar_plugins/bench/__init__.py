@@ -19,7 +19,7 @@ BENCHMARKS = {
     "overhead": "the loop's host work per round at V = 151,936 per law backend, beside the 0.5B forward time",
     "mlx_host": "mlx-lm: our loop vs mlx-lm constrained and mlx-lm's own speculative loop",
     "llama_cpp_host": "llama-cpp-python: our Llama vs stock Llama (no drafting / blind draft_model)",
-    "vllm_host": "vLLM: our proposer vs ngram and draft_model under the same structured outputs",
+    "vllm_host": "vLLM: our proposers vs vLLM's draft_model and ngram under the same structured outputs",
 }
 
 

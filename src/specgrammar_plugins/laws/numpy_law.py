@@ -98,7 +98,8 @@ class _Law:
         self._own: list[np.ndarray] = []
 
     def __del__(self):
-        _POOL.give(*self._own)
+        if self._own and _POOL is not None:  # (None while the interpreter tears the module down)
+            _POOL.give(*self._own)
 
     @classmethod
     def of(cls, idx, z: np.ndarray, owned: np.ndarray | None = None) -> "_Law":

@@ -404,6 +404,34 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
                           f"{', '.join(names) or 'none'})")
 
 
+# A pack a request names: a name, never a path (no separators, no leading dot: "..", ".hidden" and "/etc/passwd"
+# are not names).
+PACK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def resolve_name(name: str, pack_dir: str | os.PathLike | None = None) -> Path:
+    """The file of the pack a *request* names (``specgrammar.recipe``): ``<pack_dir>/<name>.json`` when the host
+    was started with a pack directory and holds it, else the shipped pack ``name``.  Never a path: the name is
+    checked against ``PACK_NAME`` and then looked up in the directory's listing, so no file outside the pack
+    directory (or the shipped packs) is ever opened, or even stat'ed, on a client's say.  ``resolve`` (paths
+    too) is for the operator's own options."""
+    if not isinstance(name, str) or PACK_NAME.fullmatch(name) is None:
+        raise RecipePackError(f"recipe pack {name!r} is not a pack name (letters, digits, '_', '-', '.'; a request "
+                              "names a pack, never a path)")
+    available: dict[str, Path] = {}
+    if pack_dir is not None:
+        try:
+            available = {p.stem: p for p in Path(pack_dir).iterdir() if p.suffix == ".json" and p.is_file()}
+        except OSError as e:
+            raise RecipePackError(f"the server's recipe pack directory cannot be read ({e.strerror})") from None
+    shipped = shipped_packs()
+    found = available.get(name) or shipped.get(name)
+    if found is None:
+        names = sorted({*available, *shipped})
+        raise RecipePackError(f"recipe pack {name!r} not found (available: {', '.join(names) or 'none'})")
+    return found
+
+
 def load_pack(name_or_path, tokenizer=None) -> RecipePack:
     """Load (and cache, by path, mtime and tokenizer) a pack by path or shipped name."""
     if isinstance(name_or_path, RecipePack):

