@@ -29,7 +29,7 @@ from specgrammar_plugins import ConstraintError, ConstraintSpec, SamplingParams,
 from specgrammar_plugins.budget import CertifiedBudget, ExactBudget, make_budget, schema_names
 from specgrammar_plugins.distributions import GREEDY
 from specgrammar_plugins.drafters import ChainDrafter, ForcedDrafter, ModelDrafter
-from specgrammar_plugins.errors import BudgetError
+from specgrammar_plugins.errors import BudgetError, RequestError
 from specgrammar_plugins.loop import SpeculativeLoop
 from specgrammar_plugins.masks import allowed_ids, new_mask
 from specgrammar_plugins.testing import MarkovRunner, exact_law, plain_decode
@@ -287,7 +287,7 @@ def test_the_road_applies_it_by_default_and_a_request_turns_it_off(tok):
     from specgrammar_plugins.speculation import budget_of, make_loop
 
     assert parse_options({"budget_mask": False}).budget_mask is False
-    with pytest.raises(ConstraintError, match="budget_mask"):
+    with pytest.raises(RequestError, match="budget_mask"):
         parse_options({"budget_mask": "no"})
     on, off = parse_options(None), parse_options({"budget_mask": False})
     assert budget_of(on, 64) == 64 and budget_of(parse_options({"budget": 20}), 64) == 20

@@ -52,6 +52,7 @@ from .cost import RegularCost, _Scan, regular_form
 from .errors import BudgetError
 from .history import HistoryMatcher
 from .masks import clear_bit, mask_allows, mask_words, pack_mask
+from .schema_rewrite import FORMAT_PATTERNS
 
 INF = float("inf")
 
@@ -254,12 +255,15 @@ def shortest_match(pattern: str, limit: int = 64) -> str | None:
                 return seen[st]
             if len(seen[st]) >= limit:
                 continue
-            for sym, to in sorted(fsm.map.get(st, {}).items(), key=lambda kv: str(kv[0])):
+            for sym, to in sorted(fsm.map.get(st, {}).items(), key=lambda kv: chars.get(kv[0], "\uffff")):
                 if to not in seen and sym in chars:
                     seen[to] = seen[st] + chars[sym]
                     nxt.append(to)
         frontier = nxt
     return None
+
+
+_REWRITTEN = {p: f for f, p in FORMAT_PATTERNS.items()}  # pattern -> the format the schema rewrite replaced
 
 
 def string_examples(schema) -> list[bytes]:
@@ -271,7 +275,8 @@ def string_examples(schema) -> list[bytes]:
         if len(out) >= 32:
             break
         pat, fmt = node.get("pattern"), node.get("format")
-        if isinstance(pat, str) and len(pat) <= 300:
+        fmt = fmt if fmt is not None else _REWRITTEN.get(pat)  # a format the schema rewrite turned into a pattern
+        if isinstance(pat, str) and len(pat) <= 2000:  # (issue 20 rewrites formats into patterns of ~500 chars)
             m = shortest_match(pat)
             if m is not None:
                 out[m.encode("utf-8")] = None
@@ -315,7 +320,8 @@ class CertifiedBudget(Budget):
         schema = compiled.spec.schema if compiled.spec.kind == "json_schema" else None
         names = schema_names(schema) if schema is not None else []
         self.names = [n.encode("utf-8") + b'"' for n in names[: self.MAX_NAMES]]
-        self.strings = [x + b'"' for x in string_examples(schema)] if schema is not None else []
+        self.strings = sorted((x + b'"' for x in string_examples(schema)), key=lambda x: len(self.spell(x))) \
+            if schema is not None else []  # the fewest tokens first
         self.walks = 0
         # the committed path's certificates: _certs[i] certifies _path[:i]; _scans[i] scans its text
         self._path: list[int] = []
