@@ -60,8 +60,8 @@ class _TargetOnly:
 
 
 def run_one(config: str, model, draft, tok, ids: list[int], spec, k: int, max_tokens: int, temperature: float,
-            seed: int, recipe=None) -> tuple[list[int], int, float]:
-    """(tokens up to the first EOS, target passes, seconds) for one prompt."""
+            seed: int, recipe=None, budget_mask: bool | None = None) -> tuple[list[int], int, float]:
+    """(tokens up to the first EOS, target passes, seconds) for one prompt.  ``budget_mask``: ours only."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
@@ -73,7 +73,8 @@ def run_one(config: str, model, draft, tok, ids: list[int], spec, k: int, max_to
     t0 = time.perf_counter()
     if config == "ours":
         out, st = generate_tokens(model, tok, ids, max_tokens=max_tokens, draft_model=draft, num_draft_tokens=k,
-                                  constraint=spec, temperature=temperature, seed=seed, recipe=recipe)
+                                  constraint=spec, temperature=temperature, seed=seed, recipe=recipe,
+                                  budget_mask=budget_mask)
         return out, st.target_passes, time.perf_counter() - t0
     state: dict = {}
     target = _Counting(model, "target", state)
@@ -123,7 +124,8 @@ def run(n: int, k: int, max_tokens: int, temperatures: Sequence[float], workload
             # warm-up: compile the grammar, touch every code path once
             ids0 = list(tok.encode(W.chat_prompt(exs[0].prompt), add_special_tokens=False))
             for c in configs:
-                run_one(c, model, draft, tok, ids0, exs[0].constraint, k, 8, temperature, 0, pack)
+                run_one(c, model, draft, tok, ids0, exs[0].constraint, k, 8, temperature, 0, pack,
+                        budget_mask=False)  # (8 tokens end no JSON: no budget refusal in the warm-up)
             agg = {c: {"tokens": 0, "passes": 0, "seconds": 0.0, "valid": 0} for c in configs}
             for i, ex in enumerate(exs):
                 ids = list(tok.encode(W.chat_prompt(ex.prompt), add_special_tokens=False))

@@ -53,7 +53,8 @@ def run(hosts, workloads, strategies, n: int, k: int, max_tokens: int, temperatu
             spec = W.constraint(w)
             prompts = [host.encode(W.chat_prompt(e.prompt)) for e in exs]
             for s in strategies:  # warm-up: compile the grammar, load the pack, touch every code path
-                host.run(s, w, prompts[0], spec, k=k, max_tokens=8, temperature=temperature, seed=0)
+                host.run(s, w, prompts[0], spec, k=k, max_tokens=8, temperature=temperature, seed=0,
+                         options={"budget_mask": False})  # (8 tokens end no JSON Schema: no refusal here)
             runs: dict = {s: [] for s in strategies}
             for r, prompt in enumerate(prompts):
                 order = strategies[r % len(strategies):] + strategies[: r % len(strategies)]
