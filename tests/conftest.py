@@ -1,3 +1,4 @@
+import contextlib
 import os
 import pathlib
 
@@ -54,3 +55,24 @@ def outputs_chi2(law: dict, seen, n: int) -> float:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@contextlib.contextmanager
+def fault_in_one_request(states, message: str = "an injected fault in our drafting code"):
+    """Inject a fault into vLLM grammar drafting (``GrammarStates.begin`` of ``states``) for the first request
+    that reaches it, at every step: a stand-in for a bug in our code.  The other requests draft as usual."""
+    begin = states.begin
+    victim = {}
+
+    def faulty(st, context, n, k=None):
+        if not victim:
+            victim["st"] = st
+        if st is victim["st"]:
+            raise RuntimeError(message)
+        return begin(st, context, n, k)
+
+    states.begin = faulty
+    try:
+        yield
+    finally:
+        del states.begin

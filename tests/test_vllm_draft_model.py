@@ -22,7 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 pytest.importorskip("vllm")
 
-from conftest import needs_shared_data  # noqa: E402
+from conftest import fault_in_one_request, needs_shared_data  # noqa: E402
 from specgrammar_plugins.models import tiny_path  # noqa: E402
 
 if not (tiny_path("target") / "model.safetensors").exists():
@@ -104,23 +104,10 @@ def test_a_fault_in_our_drafting_drafts_nothing_for_that_request_and_the_engine_
     prompts, params = schemas
     llm = runs.ours.llm
     g = proposer_of(llm)
-    begin = g.begin
-    victim = {}
-
-    def faulty(st, context, n, k=None):
-        if not victim:
-            victim["st"] = st
-        if st is victim["st"]:
-            raise RuntimeError("injected fault")
-        return begin(st, context, n, k)
-
-    g.begin = faulty
     # (our counters: vLLM 0.32's get_metrics() follows the engine built last, the plain one here)
     c0 = dict(g.counters)
-    try:
+    with fault_in_one_request(g):
         outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del g.begin
     assert g.counters["proposer_errors"] > c0["proposer_errors"]
     assert [list(o.outputs[0].token_ids) for o in outs] == runs.plain.tokens
     assert g.counters["accepted_tokens"] > c0["accepted_tokens"]  # the other requests kept their drafts

@@ -27,6 +27,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 pytest.importorskip("vllm")
 
+from conftest import fault_in_one_request  # noqa: E402
 from specgrammar_plugins import workloads as W  # noqa: E402
 from specgrammar_plugins.constraint import ConstraintSpec  # noqa: E402
 from specgrammar_plugins.models import tiny_path  # noqa: E402
@@ -283,24 +284,11 @@ def test_a_fault_in_the_proposer_fails_no_request_and_never_the_engine(engines):
     caught: that request gets no more grammar drafts and completes (validly, verified by vLLM's masks alone), the
     others keep drafting.  The fault is injected into our own ``begin`` for one request."""
     proposer = engines.proposer
-    begin = proposer.begin
-    victim = {}
-
-    def faulty(st, context, n, k=None):
-        if not victim:
-            victim["st"] = st
-        if st is victim["st"]:
-            raise RuntimeError("an injected fault in our drafting code")
-        return begin(st, context, n, k)
-
-    proposer.begin = faulty
     faults, rounds = proposer.counters["proposer_errors"], proposer.counters["rounds"]
     exs = W.examples("json_extraction", "eval", 3)
     params = [sampling_params(e.constraint, temperature=0.0, max_tokens=MAX_TOKENS) for e in exs]
-    try:
+    with fault_in_one_request(proposer):
         outs = engines.spec.generate([W.chat_prompt(e.prompt) for e in exs], params, use_tqdm=False)
-    finally:
-        del proposer.begin
     assert proposer.counters["proposer_errors"] > faults and proposer.counters["rounds"] > rounds
     for e, o in zip(exs, outs):
         assert W.is_valid("json_extraction", o.outputs[0].text), o.outputs[0].text
