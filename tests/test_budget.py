@@ -361,3 +361,20 @@ def test_the_start_certificate_is_found_and_valid(tok, schema, engine):
     assert _validator(schema)(_text(tok, cert)), _text(tok, cert)
     assert len(cert) <= len(tok.encode(json.dumps(_SHORT[HARD.index(schema)], separators=(",", ":")))) + 1
     assert shortest_match("wifi") == "wifi" and re.fullmatch(r"[a-z]+/[0-9]+", shortest_match("^[a-z]+/[0-9]+$"))
+
+
+@pytest.mark.parametrize("engine", ["llguidance", "xgrammar"])
+def test_properties_named_like_keywords(tok, engine):
+    """Dev-split schemas (found by bench schemas) have a property called ``pattern``: the walk over the schema's
+    objects met its subschema (a dict) where it expected a keyword's value and raised TypeError."""
+    from specgrammar_plugins.budget import string_examples
+
+    schema = {"type": "object", "properties": {"pattern": {"type": "string", "pattern": "^ab$"},
+                                               "when": {"type": "string", "format": "date"}},
+              "required": ["pattern", "when"]}  # (19 dev-split schemas, e.g. JsonSchemaStore---netlify.json)
+    assert b"ab" in string_examples(schema) and b"2000-01-01" in string_examples(schema)
+    c = _compile(ConstraintSpec.json_schema(schema), tok, engine)
+    if c is None:
+        pytest.skip(f"{engine} refuses {schema}")
+    g = CertifiedBudget(c, 128)
+    assert not g.lost and _validator(schema)(_text(tok, g._certs[0]))

@@ -275,7 +275,8 @@ def string_examples(schema) -> list[bytes]:
         if len(out) >= 32:
             break
         pat, fmt = node.get("pattern"), node.get("format")
-        fmt = fmt if fmt is not None else _REWRITTEN.get(pat)  # a format the schema rewrite turned into a pattern
+        if fmt is None and isinstance(pat, str):  # a format the schema rewrite turned into a pattern
+            fmt = _REWRITTEN.get(pat)
         if isinstance(pat, str) and len(pat) <= 2000:  # (issue 20 rewrites formats into patterns of ~500 chars)
             m = shortest_match(pat)
             if m is not None:
