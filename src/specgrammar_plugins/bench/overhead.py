@@ -112,9 +112,10 @@ def _tables(backend: str, v: int, rows: int, sigma: float, noise: float, device:
 
 
 def run_one(tok, compiled, backend: str, mode: str, k: int, rounds: int, sigma: float, noise: float,
-            device: str, seed: int = 0) -> dict:
+            device: str, seed: int = 0, budget_mask: bool = True) -> dict:
     """Per-round host work of ``rounds`` rounds inside the string (each request's first round, which drafts the
-    opening quote, is left out)."""
+    opening quote, is left out).  ``budget_mask``: the request's budget feasibility (on by default for a
+    constrained request; the budget is the rounds still to measure, so it binds only near the end)."""
     from ..distributions import SamplingParams
     from ..requests import SpecOptions
     from ..speculation import make_loop
@@ -129,7 +130,8 @@ def run_one(tok, compiled, backend: str, mode: str, k: int, rounds: int, sigma: 
     while n < rounds:
         target, draft = TableRunner(target_t, kind), TableRunner(draft_t, kind)
         target.offset = draft.offset = n * 7  # another stretch of the tables for each request
-        loop = make_loop(target, prompt, SpecOptions(k=k, drafters=("forced", "model")), constraint=compiled,
+        loop = make_loop(target, prompt, SpecOptions(k=k, drafters=("forced", "model"), budget_mask=budget_mask),
+                         constraint=compiled,
                          tokenizer=tok, params=params, rng=rng, draft_runner=draft, max_tokens=(rounds - n) * (k + 1) + 8,
                          law=backend)
         st = loop.stats
@@ -157,7 +159,7 @@ def run_one(tok, compiled, backend: str, mode: str, k: int, rounds: int, sigma: 
     split = {p: tot[p] / n / 1e6 for p in PHASES[:-1]}
     host_ms = tot["round"] / n / 1e6
     split["other"] = max(0.0, host_ms - sum(split.values()))
-    return {"backend": backend, "mode": mode, "k": k, "rounds": n, "host_ms": host_ms, "split_ms": split,
+    return {"backend": backend, "mode": mode, "k": k, "budget_mask": budget_mask, "rounds": n, "host_ms": host_ms, "split_ms": split,
             "median_round_ms": statistics.median(per_round), "fills_per_round": fills / n,
             "tokens_per_round": emitted / n, "acceptance": accepted / max(1, drafted)}
 
@@ -204,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forward", nargs="*", default=None, choices=["mlx", "torch"],
                     help="forward-pass timings to print beside (default: mlx and torch when installed; quick: none)")
     ap.add_argument("--reps", type=int, default=5, help="timed forward passes per size")
+    ap.add_argument("--budget-mask", nargs="+", default=["on"], choices=["on", "off"],
+                    help="the request's budget feasibility mask (default on, as for any constrained request)")
     R.add_common_args(ap, "overhead")
     a = ap.parse_args(argv)
     tok = qwen_tokenizer()
@@ -227,25 +231,25 @@ def main(argv: list[str] | None = None) -> int:
     compiled = compile_constraint(ConstraintSpec.regex(STRING), tok, engine="xgrammar")
     rep = R.Report("overhead", a, argv)
     rows = []
-    cells = [(b, m, k) for b in backends for m in modes for k in ks]
-    for b, m, k in R.progress(cells, "overhead", disable=a.no_progress):
-        rows.append(run_one(tok, compiled, b, m, k, rounds, a.sigma, a.noise, a.device))
+    cells = [(b, m, k, bm) for b in backends for m in modes for k in ks for bm in a.budget_mask]
+    for b, m, k, bm in R.progress(cells, "overhead", disable=a.no_progress):
+        rows.append(run_one(tok, compiled, b, m, k, rounds, a.sigma, a.noise, a.device, budget_mask=bm == "on"))
     which = a.forward if a.forward is not None else ([] if a.quick else
                                                      [x for x in ("mlx", "torch") if _installed(x)])
     fwd = forward_times(which, ks, a.reps, a.device)
     print(f"\nbench overhead: the loop's host work per round (ms) at V = {tok.vocab_size:,}, inside a JSON "
           f"string (xgrammar masks), forced + model drafters, random logits tables (sigma {a.sigma:g}, draft noise "
           f"{a.noise:g}), {rounds} rounds per cell; device {a.device}; BLAS: {preloaded()}\n")
-    heads = ["backend", "mode", "k", "host ms/round", *[f"{p} ms" for p in PHASES], "mask fills/round",
+    heads = ["backend", "mode", "k", "budget mask", "host ms/round", *[f"{p} ms" for p in PHASES], "mask fills/round",
              "acceptance", *[f"t(k+1) {b} ms" for b in fwd], *[f"host / t(k+1) {b}" for b in fwd]]
     body = []
     for r in rows:
-        body.append([r["backend"], r["mode"], r["k"], f"{r['host_ms']:.2f}",
+        body.append([r["backend"], r["mode"], r["k"], "on" if r["budget_mask"] else "off", f"{r['host_ms']:.2f}",
                      *[f"{r['split_ms'][p]:.2f}" for p in PHASES], f"{r['fills_per_round']:.2f}",
                      f"{r['acceptance']:.0%}" if r["k"] else "-",
                      *[f"{fwd[b][r['k']]:.1f}" for b in fwd],
                      *[f"{r['host_ms'] / fwd[b][r['k']]:.1%}" for b in fwd]])
-    print(R.md_table(heads, body, right=range(2, len(heads))))
+    print(R.md_table(heads, body, right=[2, *range(4, len(heads))]))
     print(f"\n{time.perf_counter() - rep.t0:.0f}s; command: specgrammar bench overhead {' '.join(argv)}")
     rep.write({"vocab_size": tok.vocab_size, "regex": STRING, "engine": "xgrammar", "sigma": a.sigma,
                "noise": a.noise, "rounds": rounds, "device": a.device, "rows": rows, "forward_ms": fwd,
