@@ -520,13 +520,16 @@ class CertifiedBudget(Budget):
         del self._scans[n + 1:]
         for t in generated[n:]:
             parent = self._certs[-1]
-            c = None if parent is None else self._next(parent, path, int(t), self.budget - len(path))
-            s = self._scans[-1].copy()
-            s.feed(self.tok.token_bytes[int(t)] if 0 <= int(t) < len(self.tok.token_bytes) else b"")
-            path.append(int(t))
-            self._certs.append(c)
-            self._scans.append(s)
+            self._push(int(t), None if parent is None else self._next(parent, path, int(t), self.budget - len(path)))
         return self._certs[-1]
+
+    def _push(self, t: int, cert: tuple | None) -> None:
+        """Extend the committed path by ``t``, whose certificate is ``cert``."""
+        s = self._scans[-1].copy()
+        s.feed(self.tok.token_bytes[t] if 0 <= t < len(self.tok.token_bytes) else b"")
+        self._path.append(t)
+        self._certs.append(cert)
+        self._scans.append(s)
 
     def feasible(self, generated: Sequence[int], token: int) -> bool:
         if self.lost:
@@ -539,11 +542,7 @@ class CertifiedBudget(Budget):
             c = self._next(parent, generated, int(token), self.budget - len(generated))
             if c is None:
                 return False
-            s = self._scans[-1].copy()
-            s.feed(self.tok.token_bytes[int(token)] if 0 <= int(token) < len(self.tok.token_bytes) else b"")
-            self._path.append(int(token))  # the next position starts from here (the caller commits it)
-            self._certs.append(c)
-            self._scans.append(s)
+            self._push(int(token), c)  # the next position starts from here (the caller commits it)
             return True
         finally:
             self.ns += time.perf_counter_ns() - t0
