@@ -593,3 +593,30 @@ def test_json_schema_compact_option(engine):
     assert not m.accept_bytes(b" ")
     flexible = compile_constraint(ConstraintSpec.json_schema(schema, options=(("any_whitespace", True),)), tok, engine)
     walk_text(flexible, '{"a": 1, "b": 2}')
+
+
+WORDS = {"type": "string", "maxLength": 500, "pattern": r"^(?:\S+\s+){0,49}\S+$"}  # dev split, Github_medium---o21142
+SENTENCE = '"Our cloud hosting service provides a secure and scalable infrastructure for your business needs."'
+
+
+@pytest.mark.skipif("llguidance" not in ENGINES, reason="llguidance is not installed")
+def test_llguidance_lexer_fuel(monkeypatch):
+    """Host bug (llguidance 1.7.6): a template and its deep copies share one lexer; a ``validate_tokens`` that runs
+    out of step fuel on a pattern intersected with a length refuses the token without an error, and the states it
+    gave up on stay dead for every later copy.  Our engine raises the step fuel (``STEP_LEXER_FUEL``), so the
+    sentence is accepted, and accepted again, and a short text after it too.  With llguidance's own 200k the bug
+    shows (when it stops showing, the raised fuel can go: llguidance_engine.py)."""
+    from specgrammar_plugins.engines import llguidance_engine
+
+    tok = get_tok("tiny")
+    cc = compile_constraint(ConstraintSpec.json_schema(WORDS), tok, "llguidance", cache=None)
+    for text in (SENTENCE, '"a b"', SENTENCE):
+        walk_text(cc, text, check_masks=False)
+
+    monkeypatch.setattr(llguidance_engine, "STEP_LEXER_FUEL", 200_000)
+    low = compile_constraint(ConstraintSpec.json_schema(WORDS), tok, "llguidance", cache=None)
+    first = low.matcher()
+    assert not all(first.accept(t) for t in tok.encode(SENTENCE)), "llguidance's default fuel now suffices"
+    later = low.matcher()
+    assert not all(later.accept(t) for t in tok.encode('"a b"')), "the shared lexer is no longer poisoned"
+

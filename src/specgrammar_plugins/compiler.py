@@ -97,7 +97,8 @@ class Limits:
     - ``"thread"`` (the library default): the compile runs in a thread; native code cannot be interrupted, so
       the thread finishes in the background and its result is dropped.
 
-    llguidance always compiles in-process: its own fuel limits bound every compile and mask.
+    llguidance always compiles in-process: its own fuel limits bound every compile and mask (its lexer fuel per
+    step: ``SPECGRAMMAR_LLGUIDANCE_STEP_FUEL``, 5M, see ``engines/llguidance_engine.py``).
     """
 
     max_constraint_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_CONSTRAINT_BYTES", 1 << 20))

@@ -11,6 +11,7 @@ with vocabulary tokens (llguidance matches bytes, so any spelling is the same to
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 
@@ -23,6 +24,23 @@ from ._common import (
     popcount)
 
 NAME = "llguidance"
+
+# The lexer fuel of one step (llguidance's default 200k), raised; ``SPECGRAMMAR_LLGUIDANCE_STEP_FUEL`` sets it.
+# llguidance 1.7.6 shares one lexer (its derived regex states) between a template and every deep_copy of it; when
+# ``validate_tokens`` runs out of step fuel on a string whose pattern is intersected with a length
+# (``{"pattern": "^(?:\\S+\\s+){0,49}\\S+$", "maxLength": 500}``: dev-split Github_medium---o21142,
+# Github_hard---o21073) it refuses the token *without* an error, and the states it gave up on stay dead in the
+# shared lexer: that text, and then "a b", are refused by every later copy (every later request with the schema).
+# The mask path runs out too, there with an error ("too many expressions constructed").  5M lets the dev split's
+# schemas through (2M does not: o21142's second instance).  The price: a schema that does run 5M out takes that
+# much longer per mask before its error (docs/HARDENING.md; tests/test_engines.py::test_llguidance_lexer_fuel).
+STEP_LEXER_FUEL = int(os.environ.get("SPECGRAMMAR_LLGUIDANCE_STEP_FUEL", 5_000_000))
+
+
+def _limits():
+    import llguidance as llg
+
+    return llg.LLParserLimits(step_lexer_fuel=STEP_LEXER_FUEL)
 
 
 class _Spelling:
@@ -155,7 +173,7 @@ class LLGuidanceEngine:
         grammar = grammar_text(spec, options)
         # one compile: building the matcher reports what validate_grammar_with_warnings would (the same words),
         # and validating first compiled every grammar twice (40% of the compile time of a large JSON Schema)
-        template = llg.LLMatcher(lt.lltok, grammar, log_level=0)
+        template = llg.LLMatcher(lt.lltok, grammar, log_level=0, limits=_limits())
         if template.is_error():
             raise ConstraintError(template.get_error().strip(), engine=NAME, kind=spec.kind)
         cc = CompiledConstraint(spec, tokenizer, NAME, _Compiled(lt, grammar, template), LLGuidanceMatcher.start)
