@@ -620,3 +620,21 @@ def test_llguidance_lexer_fuel(monkeypatch):
     later = low.matcher()
     assert not all(later.accept(t) for t in tok.encode('"a b"')), "the shared lexer is no longer poisoned"
 
+
+@pytest.mark.skipif("xgrammar" not in ENGINES, reason="xgrammar is not installed")
+def test_xgrammar_keeps_the_schemas_additional_properties():
+    """xgrammar's strict_mode (on by default) reads an unspecified additionalProperties as false; a JSON Schema
+    allows other properties then (dev split Kubernetes---kb_137_Normalized), so we compile with it off unless
+    ``xgrammar_strict_mode`` asks (vLLM's backend does, and its proposer mirrors it)."""
+    tok = walk_tok()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cc = compile_constraint(ConstraintSpec.json_schema(schema), tok, "xgrammar", cache=None)
+    walk_text(cc, '{"a": 1, "b ": "x"}', check_masks=False)
+    closed = compile_constraint(ConstraintSpec.json_schema({**schema, "additionalProperties": False}), tok,
+                                "xgrammar", cache=None)
+    m = closed.matcher()
+    assert not all(m.accept(t) for t in tok.encode('{"a": 1, "b": 2}'))
+    narrow = compile_constraint(ConstraintSpec.json_schema(schema), tok, "xgrammar", cache=None,
+                                xgrammar_strict_mode=True)
+    m = narrow.matcher()
+    assert not all(m.accept(t) for t in tok.encode('{"a": 1, "b": 2}'))

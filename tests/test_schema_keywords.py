@@ -66,6 +66,10 @@ PROBES = [
                        "minProperties": 2}, []),
     ("maxProperties", {"type": "object", "maxProperties": 1}, [{"a": 1, "b": 2}]),
     ("required", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, []),
+    # a required key properties does not list (xgrammar 0.2.8 and outlines-core 0.2.14 took {})
+    ("required", {"type": "object", "required": ["foo"]}, [{}, {"foo": 1}, {"bar": 2}]),
+    ("required", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["foo"]},
+     [{"a": 1}, {"a": 1, "foo": 2}]),
     ("dependentRequired", {"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}},
      [{"a": 1}]),
     ("dependentSchemas", {"type": "object", "properties": {"a": {}, "b": {}},

@@ -213,3 +213,39 @@ def test_maskbench_sample_rewrites_agree_with_jsonschema():
         instances_checked += len(tests)
     print(f"\n{checked} rewritten MaskBench schemas, {instances_checked} instances: same verdicts")
     assert checked >= 200
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "required": ["foo"]},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["foo", "a"],
+     "additionalProperties": {"type": "integer"}},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["foo"],
+     "patternProperties": {"^f": {"type": "string"}}},
+])
+def test_required_keys_listed_for_engines_that_ignore_them(schema, toy_tok):
+    """xgrammar 0.2.8 ignores a required key ``properties`` does not list (``{"required": ["foo"]}`` took ``{}``:
+    JSON-Schema-Test-Suite items.json, "items and subitems"); ``list_required`` lists it, exactly."""
+    rw = rewrite(schema, list_required=True)
+    assert [r.keyword for r in rw.rewrites] == ["required"], rw.rewrites
+    assert "foo" in rw.schema["properties"]
+    original, rewritten = oracle(schema, None), oracle(rw.schema, "2020-12")
+    seen = {True: 0, False: 0}
+    for inst in instances(schema, 400, seed=1, extra=[{}, {"foo": 1}, {"foo": "x", "a": 2}, {"a": 1}, {"foo": 3, "a": 2}]):
+        v = original(inst)
+        assert rewritten(inst) == v, (inst, v, rw.schema)
+        seen[v] += 1
+    assert seen[True] and seen[False], seen
+    assert rewrite(schema).rewrites == ()  # llguidance enforces them itself: no rewrite by default
+    if "patternProperties" in schema:
+        return  # xgrammar refuses patternProperties
+    cc = compile_constraint(ConstraintSpec.json_schema(schema), toy_tok, engine="xgrammar", cache=None)
+    m = cc.matcher()
+    assert not (m.accept_bytes(b"{}") and m.accept(toy_tok.eos_token_id)), "xgrammar took {} without foo"
+
+
+def test_unlisted_required_key_that_cannot_be_present_is_refused(toy_tok):
+    spec = ConstraintSpec.json_schema({"type": "object", "properties": {"p": {
+        "type": "object", "required": ["foo"], "patternProperties": {"^x": {}}, "additionalProperties": {}}}})
+    with pytest.raises(ConstraintError) as e:
+        compile_constraint(spec, toy_tok, engine="outlines_core", cache=None)
+    assert "at /properties/p/required" in str(e.value), str(e.value)

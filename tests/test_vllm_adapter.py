@@ -179,6 +179,26 @@ def test_structured_outputs_mapping():
     assert spec_from_params(StructuredOutputsParams(structural_tag='{"x": 1}')) is None
 
 
+def test_engine_options_mirror_vllms_backend(toy_tok):
+    """vLLM 0.32's xgrammar backend keeps xgrammar's strict_mode on (an unlisted property refused); ours is off by
+    default (the schema's language), so the proposer asks for it to walk the language vLLM masks with."""
+    from vllm.config import StructuredOutputsConfig
+
+    from specgrammar_plugins.api import compile_constraint
+    from specgrammar_vllm.structured import engine_options
+
+    for backend, want in (("xgrammar", ("xgrammar", {"xgrammar_strict_mode": True})),
+                          ("guidance", ("llguidance", {}))):
+        cfg = types.SimpleNamespace(structured_outputs_config=StructuredOutputsConfig(backend=backend))
+        assert engine_options(cfg) == want
+    schema = ConstraintSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    engine, opts = engine_options(types.SimpleNamespace(structured_outputs_config=StructuredOutputsConfig()))
+    m = compile_constraint(schema, toy_tok, engine, cache=None, **opts).matcher()
+    assert not (m.accept_bytes(b'{"a": 1, "b": 2}') and m.accept(toy_tok.eos_token_id))
+    m = compile_constraint(schema, toy_tok, engine, cache=None).matcher()  # ours, outside vLLM
+    assert m.accept_bytes(b'{"a": 1, "b": 2}') and m.accept(toy_tok.eos_token_id)
+
+
 def test_launcher_arguments_and_version_shim(monkeypatch):
     argv = serve.build_argv(["m", "--port", "1", "--grammar-spec", "3"])
     i = argv.index("--speculative-config")

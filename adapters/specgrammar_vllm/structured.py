@@ -46,6 +46,8 @@ def engine_options(vllm_config) -> tuple[str, dict]:
     backend = getattr(so_cfg, "backend", "xgrammar") or "xgrammar"
     engine = ENGINES.get(backend, "xgrammar")  # "auto" resolves to xgrammar for what xgrammar supports
     options = {}
+    if engine == "xgrammar":  # vLLM 0.32's backend compiles with xgrammar's default, strict_mode on
+        options["xgrammar_strict_mode"] = True
     if getattr(so_cfg, "disable_any_whitespace", False):
         options["any_whitespace"] = False
     return engine, options

@@ -115,10 +115,20 @@ _NEEDS_TYPE = {"xgrammar": frozenset({"minItems", "maxItems", "items", "prefixIt
 _NO_ID_REFS = frozenset({"xgrammar"})
 # outlines-core 0.2.14 reads {"properties": {"a": false}} ("a" must be absent) as no constraint: {"a": true} passes
 _NO_FALSE_PROPERTIES = frozenset({"outlines_core"})
+# xgrammar 0.2.8 and outlines-core 0.2.14 ignore a required key that ``properties`` does not list: {"required":
+# ["foo"]} takes {} (JSON-Schema-Test-Suite draft2020-12 items.json "items and subitems"); schema_rewrite lists such
+# keys where that is exact (``rewrite(..., list_required=True)``, for LIST_REQUIRED), what is left is refused
+UNLISTED_REQUIRED = frozenset({"xgrammar", "outlines_core"})
+LIST_REQUIRED = frozenset({"xgrammar"})  # not outlines-core: its regex for {} (any value) compiles past 30 s
 # keyword -> siblings beside which the engine ignores it (xgrammar 0.2.8 logs "pattern combined with
 # minLength/maxLength is not supported; ignoring minLength/maxLength" and accepts "aa" for {pattern: "^a+$",
 # minLength: 3}; a warning it logs that this table misses is refused at compile time, see xgrammar_engine)
 _IGNORED_BESIDE = {"xgrammar": {"minLength": ("pattern",), "maxLength": ("pattern",)}}
+
+
+def _unlisted(owner: dict, val: Any) -> bool:
+    props = owner.get("properties") if isinstance(owner.get("properties"), dict) else {}
+    return isinstance(val, list) and any(k not in props for k in val)
 
 
 def _extra_keys_repeat(owner: dict, val: Any) -> bool:
@@ -152,6 +162,9 @@ def check_schema(schema: Any, engine: str, origins: dict[int, str] | None = None
             continue
         if kw == "properties" and engine in _NO_FALSE_PROPERTIES and isinstance(val, dict) and False in val.values():
             rep.unsupported.append(("properties (a property that must be absent: false)", ptr))
+            continue
+        if kw == "required" and engine in UNLISTED_REQUIRED and _unlisted(owner, val):
+            rep.unsupported.append(("required (a key that properties does not list)", ptr))
             continue
         if kw == "$ref" and has_id:
             rep.unsupported.append(("$ref (with $id base URIs)", ptr))

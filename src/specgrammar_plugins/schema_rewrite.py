@@ -269,8 +269,9 @@ def _closed_props_ok(k: str, v: Any, into: dict) -> bool:
 
 
 class _Rewriter:
-    def __init__(self, root: Any, native: frozenset[str] = frozenset()):
+    def __init__(self, root: Any, native: frozenset[str] = frozenset(), list_required: bool = False):
         self.root = root
+        self.list_required = list_required
         self.rewrites: dict[tuple[str, str], Rewrite] = {}
         self.origins: dict[int, str] = {}
         sch = root.get("$schema")
@@ -315,7 +316,8 @@ class _Rewriter:
                            for n, sub in v.items()}
             else:
                 out[kw] = v
-        for step in (self._finite_domain, self._enum_type, self._ref_siblings, self._tuple_items, self._dependencies, self._draft4_exclusive,
+        for step in (self._finite_domain, self._enum_type, self._ref_siblings, self._tuple_items, self._dependencies, self._required_listed,
+                     self._draft4_exclusive,
                      self._format, self._not, self._if, self._one_of, self._property_counts,
                      self._unique_items):
             noted = len(self.rewrites)
@@ -796,6 +798,24 @@ class _Rewriter:
                         return True
         return False
 
+    def _required_listed(self, s: dict, ptr: str) -> dict:
+        """``required`` keys that ``properties`` does not list -> listed, with the schema their value meets already:
+        ``{}`` where ``additionalProperties`` is absent or true (``patternProperties`` still apply to a listed key),
+        the ``additionalProperties`` schema where no ``patternProperties`` could claim the key instead.  Only for
+        engines that ignore unlisted required keys (``list_required``: xgrammar took ``{}`` for ``{"required":
+        ["foo"]}``); an unlisted key that can never be present is left (and refused)."""
+        req, props = s.get("required"), s.get("properties", {})
+        if not self.list_required or not isinstance(req, list) or not isinstance(props, dict) \
+                or self.pinned(f"{ptr}/properties"):
+            return s
+        missing = [k for k in dict.fromkeys(req) if isinstance(k, str) and k not in props]
+        extra = s.get("additionalProperties", True)
+        if not missing or not (extra is True or isinstance(extra, dict) and not s.get("patternProperties")):
+            return s
+        self.note("required", f"{ptr}/required",
+                  f"properties lists the {len(missing)} required key(s) it did not ({', '.join(missing[:3])})")
+        return {**s, "properties": {**props, **{k: {} if extra is True else extra for k in missing}}}
+
     # ------------------------------------------------------------------ property counts, unique items
     def _property_counts(self, s: dict, ptr: str) -> Any:
         if not ({"minProperties", "maxProperties"} & set(s)) or {"minProperties", "maxProperties"} & self.native:
@@ -945,15 +965,16 @@ def conjoin(s: dict, extra: Any) -> Any:
     return {**s, "allOf": [*s.get("allOf", []), extra]}
 
 
-def rewrite(schema: Any, native: frozenset[str] = frozenset()) -> Rewritten:
+def rewrite(schema: Any, native: frozenset[str] = frozenset(), list_required: bool = False) -> Rewritten:
     """``schema`` with every exact rewrite above applied (a new object; ``schema`` is not changed).
 
     ``native``: keywords the target engine enforces itself, left to it where a rewrite would only make its grammar
     bigger (``minProperties``/``maxProperties``: llguidance counts keys natively, while the ``anyOf`` over which
-    properties are present cost it 35x the compile time on MaskBench Github_hard---o62820)."""
+    properties are present cost it 35x the compile time on MaskBench Github_hard---o62820).  ``list_required``: list
+    required keys in ``properties`` (``_required_listed``: for engines that ignore unlisted ones)."""
     if not isinstance(schema, dict):
         return Rewritten(schema)
-    rw = _Rewriter(schema, native)
+    rw = _Rewriter(schema, native, list_required)
     if rw.nested_ids:
         return Rewritten(schema)
     out = rw.node(schema, "")

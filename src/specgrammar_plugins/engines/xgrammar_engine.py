@@ -74,8 +74,11 @@ def _json_options(spec: ConstraintSpec, options: dict) -> dict:
         kw["any_whitespace"] = bool(opts["any_whitespace"])
         if not kw["any_whitespace"]:
             kw["separators"] = (",", ":")
-    if "strict" in opts:
-        kw["strict_mode"] = bool(opts["strict"])
+    # xgrammar's strict_mode (its default: on) reads an unspecified additionalProperties / additionalItems as false:
+    # a narrower language than the schema's (dev-split Kubernetes---kb_137_Normalized: valid instances with keys
+    # the schema does not list were refused).  Our ``strict`` is another thing (refuse what the engine ignores), so
+    # the schema's own language unless asked (``xgrammar_strict_mode``: vLLM's xgrammar backend keeps it on).
+    kw["strict_mode"] = bool(opts.get("xgrammar_strict_mode", False))
     return kw
 
 
