@@ -66,6 +66,10 @@ PROBES = [
                        "minProperties": 2}, []),
     ("maxProperties", {"type": "object", "maxProperties": 1}, [{"a": 1, "b": 2}]),
     ("required", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, []),
+    # bounds past 2^53, where doubles skip integers (llguidance 1.7.6 took 2^62 for each of these)
+    ("maximum", {"type": "integer", "maximum": 2 ** 62 - 1}, [2 ** 62 - 1, 2 ** 62, 2 ** 62 + 1]),
+    ("minimum", {"type": "integer", "minimum": -(2 ** 62) + 1}, [-(2 ** 62) + 1, -(2 ** 62), -(2 ** 62) - 1]),
+    ("exclusiveMaximum", {"type": "integer", "exclusiveMaximum": 2 ** 62}, [2 ** 62 - 1, 2 ** 62]),
     # a required key properties does not list (xgrammar 0.2.8 and outlines-core 0.2.14 took {})
     ("required", {"type": "object", "required": ["foo"]}, [{}, {"foo": 1}, {"bar": 2}]),
     ("required", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["foo"]},

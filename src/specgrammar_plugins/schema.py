@@ -119,11 +119,20 @@ _NO_FALSE_PROPERTIES = frozenset({"outlines_core"})
 # ["foo"]} takes {} (JSON-Schema-Test-Suite draft2020-12 items.json "items and subitems"); schema_rewrite lists such
 # keys where that is exact (``rewrite(..., list_required=True)``, for LIST_REQUIRED), what is left is refused
 UNLISTED_REQUIRED = frozenset({"xgrammar", "outlines_core"})
+# llguidance 1.7.6 reads numeric bounds as doubles: {"type": "integer", "maximum": 4611686018427387903} (2^62 - 1, no
+# double) took 2^62, "minimum": -4611686018427387903 took -2^62, and even "exclusiveMaximum": 2^62 (a double) took
+# 2^62 (invalid instances accepted): a bound past 2^53, where doubles skip integers, is refused for it
+_DOUBLE_BOUNDS = frozenset({"llguidance"})
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 LIST_REQUIRED = frozenset({"xgrammar"})  # not outlines-core: its regex for {} (any value) compiles past 30 s
 # keyword -> siblings beside which the engine ignores it (xgrammar 0.2.8 logs "pattern combined with
 # minLength/maxLength is not supported; ignoring minLength/maxLength" and accepts "aa" for {pattern: "^a+$",
 # minLength: 3}; a warning it logs that this table misses is refused at compile time, see xgrammar_engine)
 _IGNORED_BESIDE = {"xgrammar": {"minLength": ("pattern",), "maxLength": ("pattern",)}}
+
+
+def _past_doubles(val: Any) -> bool:
+    return isinstance(val, (int, float)) and not isinstance(val, bool) and abs(val) > 2 ** 53
 
 
 def _unlisted(owner: dict, val: Any) -> bool:
@@ -162,6 +171,9 @@ def check_schema(schema: Any, engine: str, origins: dict[int, str] | None = None
             continue
         if kw == "properties" and engine in _NO_FALSE_PROPERTIES and isinstance(val, dict) and False in val.values():
             rep.unsupported.append(("properties (a property that must be absent: false)", ptr))
+            continue
+        if kw in _BOUNDS and engine in _DOUBLE_BOUNDS and _past_doubles(val):
+            rep.unsupported.append((f"{kw} ({val}: past 2^53, where llguidance's doubles skip integers)", ptr))
             continue
         if kw == "required" and engine in UNLISTED_REQUIRED and _unlisted(owner, val):
             rep.unsupported.append(("required (a key that properties does not list)", ptr))
