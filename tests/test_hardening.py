@@ -4,6 +4,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specgrammar_plugins import ConstraintError, ConstraintSpec, compile_constraint
 from specgrammar_plugins import compiler as C
@@ -342,6 +344,16 @@ def test_nesting_is_bounded_and_never_a_recursion_error(toy_tok, engine):
         for _ in range(60):  # 121 JSON levels (objects: arrays this deep blow up outlines-core's regex)
             deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
         compile_constraint(ConstraintSpec.json_schema(deep), tok, engine=engine, cache=None)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet='[]{}"\\ax,:é', max_size=60))
+def test_json_text_depth_equals_the_character_loop(text):
+    """The fast depth of JSON text (regexes and a numpy running sum) against the character-by-character reference,
+    on texts of brackets, quotes, escapes and non-ASCII (unbalanced and unterminated ones too)."""
+    from specgrammar_plugins import nesting
+
+    assert nesting.json_text_depth(text) == nesting._json_text_depth_loop(text)
 
 
 def test_a_recursion_error_is_a_constraint_error(toy_tok, monkeypatch):

@@ -10,7 +10,10 @@ the few levels a request wraps it in), both checked here iteratively before anyt
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
+
+import numpy as np
 
 # 128 JSON levels hold a schema of 60 nested objects ({"properties": {"a": {...}}} is two levels each)
 MAX_NESTING = int(os.environ.get("SPECGRAMMAR_MAX_NESTING", 128))
@@ -68,8 +71,28 @@ def group_depth(text: str, quotes: str = "") -> int:
     return deepest
 
 
+# a JSON string (an unterminated one runs to the end), and a run of characters that are not brackets
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+_STEP = np.zeros(256, dtype=np.int32)
+_STEP[[ord("["), ord("{")]] = 1
+_STEP[[ord("]"), ord("}")]] = -1
+
+
 def json_text_depth(text: str) -> int:
-    """The nesting depth of JSON text (brackets outside strings), read without parsing it."""
+    """The nesting depth of JSON text (brackets outside strings), read without parsing it: strings and everything
+    but brackets dropped by two regexes, the brackets' running sum in numpy (an 80 KB schema: ~0.2 ms instead of
+    3 ms a character at a time; ``_json_text_depth_loop`` is the reference, held against it in tests/test_nesting)."""
+    bare = _NOT_BRACKETS.sub("", _STRING.sub("", text))
+    if not bare:
+        return 0
+    depth = np.cumsum(_STEP[np.frombuffer(bare.encode("ascii"), dtype=np.uint8)])
+    if depth.min() < 0:  # a closing bracket too many (not JSON): the reference clamps at 0
+        return _json_text_depth_loop(bare)
+    return int(depth.max())
+
+
+def _json_text_depth_loop(text: str) -> int:
     depth = deepest = 0
     in_str = esc = False
     for c in text:

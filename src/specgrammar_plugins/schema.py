@@ -66,6 +66,8 @@ _SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependen
 
 
 def _esc(key: str) -> str:
+    if "~" not in key and "/" not in key:  # nearly every key: no copies
+        return key
     return key.replace("~", "~0").replace("/", "~1")
 
 

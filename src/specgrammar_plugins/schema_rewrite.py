@@ -283,13 +283,18 @@ class _Rewriter:
         self._facts: dict[int, tuple[Any, Any]] = {}
         self.native = native
         # where local $refs point: a rewrite never moves what a $ref points into
-        self._targets = [ptr_of(v) for kw, _, v, _ in walk(root)
-                         if kw == "$ref" and isinstance(v, str) and v.startswith("#")]
+        self._targets: list[str] = []
         self._check = None  # jsonschema validator for the schema as given (finite domains), built when first needed
         # a nested $id (draft-04: id) moves the base of the $refs below it: such schemas are not rewritten
-        found = [kw for kw, ptr, v, _ in walk(root)
-                 if kw == "$ref" or (kw == "$id" or kw == "id" and draft4) and ptr.count("/") > 1 and isinstance(v, str)]
-        self.nested_ids = "$ref" in found and len(set(found)) > 1
+        found = set()
+        for kw, ptr, v, _ in walk(root):  # one walk for both
+            if kw == "$ref":
+                found.add(kw)
+                if isinstance(v, str) and v.startswith("#"):
+                    self._targets.append(ptr_of(v))
+            elif (kw == "$id" or kw == "id" and draft4) and ptr.count("/") > 1 and isinstance(v, str):
+                found.add(kw)
+        self.nested_ids = "$ref" in found and len(found) > 1
 
     def note(self, keyword: str, pointer: str, into: str) -> None:
         self.rewrites.setdefault((keyword, pointer), Rewrite(keyword, pointer, into))
