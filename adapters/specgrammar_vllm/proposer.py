@@ -59,7 +59,8 @@ _INSTANCES: "weakref.WeakSet[GrammarStates]" = weakref.WeakSet()
 DEFAULT_DRAFTERS = ("forced", "recipe")
 COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
             "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "proposer_errors",
-            "draft_passes", "draft_passes_skipped", "positions_without_logits", "budget_cut_off")
+            "draft_passes", "draft_passes_skipped", "positions_without_logits", "budget_cut_off",
+            "draft_rows_unmasked", "draft_rows_masked")
 MOVED_DRAFT_MODEL = (
     "the specgrammar option 'draft_model' is gone: give the draft model to vLLM instead, "
     "--speculative-config '{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K}' "
@@ -134,6 +135,8 @@ class GrammarStates:
         self.timing_ns = {"grammar": 0}  # host work of the grammar drafts (benchmarks read it)
         self.last_drafted: dict[str, int] = {}  # request id -> drafts proposed at its last step (tests)
         self._faulted: set = set()  # requests (and kinds of step-wide faults) already logged
+        # compiled constraint -> {max_tokens: why it cannot end within it, or None}: _check_budget's verdicts
+        self._budget_verdicts: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         self._logged_at = time.monotonic()
         _INSTANCES.add(self)
 
@@ -204,13 +207,25 @@ class GrammarStates:
 
     def _check_budget(self, compiled, max_tokens) -> None:
         """The drafting side of budget feasibility: vLLM's own sampler draws the target's tokens, so a request whose
-        constraint cannot end within its ``max_tokens`` will be cut off mid-structure; count it and say so."""
-        try:
-            check_budget(compiled, SpecOptions(), max_tokens if isinstance(max_tokens, int) else None)
-        except BudgetError as e:
+        constraint cannot end within its ``max_tokens`` will be cut off mid-structure; count it and say so.  The
+        verdict is a function of the compiled constraint (the compile cache hands every request of one constraint
+        the same object) and ``max_tokens``, so it is worked out once per pair: the certified walk costs up to tens
+        of ms, which would otherwise land in the engine step of every new request."""
+        budget = max_tokens if isinstance(max_tokens, int) else None
+        seen = self._budget_verdicts.get(compiled)
+        if seen is None or len(seen) >= 64:  # (a client cycling through max_tokens values: start over)
+            seen = self._budget_verdicts[compiled] = {}
+        if budget not in seen:
+            try:
+                check_budget(compiled, SpecOptions(), budget)
+                seen[budget] = None
+            except BudgetError as e:
+                seen[budget] = e.reason
+        reason = seen[budget]
+        if reason is not None:
             self.counters["budget_cut_off"] += 1
             log.warning("specgrammar: this request will end cut off at max_tokens (vLLM samples the target's tokens "
-                        "without a budget mask): %s", e.reason)
+                        "without a budget mask): %s", reason)
 
     def begin(self, st: _RequestState, context: np.ndarray, n: int, k: int | None = None) -> DraftBlock | None:
         """The request's draft block for this step, on a fork of its matcher synced to ``context[:n]`` (the
