@@ -274,7 +274,9 @@ class GrammarStates:
         budget = min(self.k if k is None else k, self.max_model_len - n)
         if budget <= 0:
             return None
-        return DraftBlock(context[:n], m.fork(), self.vocab_size, budget, st.stop_ids)
+        # the history's own matcher, not a fork (O(tokens so far) on xgrammar): the next sync rolls back the drafts
+        # vLLM did not commit
+        return DraftBlock(context[:n], st.history.draft(), self.vocab_size, budget, st.stop_ids)
 
     def record(self, st: _RequestState, req_id: str, tokens: Sequence[int], sources: Sequence[str]) -> None:
         """Count the drafts proposed for a request at this step (its outcome is seen at the next one)."""
