@@ -240,17 +240,18 @@ class GrammarStates:
         seen = self._budget_verdicts.get(compiled)
         if seen is None or len(seen) >= 64:  # (a client cycling through max_tokens values: start over)
             seen = self._budget_verdicts[compiled] = {}
-        if budget not in seen:
+        first = budget not in seen
+        if first:
             try:
                 check_budget(compiled, SpecOptions(), budget)
                 seen[budget] = None
             except BudgetError as e:
                 seen[budget] = e.reason
         reason = seen[budget]
-        if reason is not None:
+        if reason is not None:  # said once per verdict (a log line costs ~0.1-0.7 ms in the engine step), counted always
             self.counters["budget_cut_off"] += 1
-            log.warning("specgrammar: this request will end cut off at max_tokens (vLLM samples the target's tokens "
-                        "without a budget mask): %s", reason)
+            log.log(logging.WARNING if first else logging.DEBUG, "specgrammar: this request will end cut off at "
+                    "max_tokens (vLLM samples the target's tokens without a budget mask): %s", reason)
 
     def begin(self, st: _RequestState, context: np.ndarray, n: int, k: int | None = None) -> DraftBlock | None:
         """The request's draft block for this step, on a fork of its matcher synced to ``context[:n]`` (the
