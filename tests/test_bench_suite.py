@@ -165,7 +165,8 @@ def test_vllm_host_quick(tmp_path, monkeypatch):
     assert {r["method"] for r in rows} == {"plain", "grammar_chain"}
     _finite(rows, ["tokens", "rounds", "accepted", "acceptance", "tokens_per_pass"])
     timing = {r["method"]: r["timing"] for r in doc["rows"] if "timing" in r}
-    _finite(list(timing.values()), ["step_ms", "target_ms", "draft_ms", "our_grammar_ms", "vllm_grammar_ms"])
+    _finite(list(timing.values()), ["step_ms", "target_ms", "draft_ms", "our_grammar_ms", "vllm_grammar_ms",
+                                    "draft_forward_ms_per_draft_step", "draft_pass_tokens_per_draft_step"])
 
 
 def test_schemas_quick(tmp_path):
