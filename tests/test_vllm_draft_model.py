@@ -129,7 +129,7 @@ def test_argmax_drafts_mask_only_the_rows_whose_argmax_the_grammar_rejects(runs)
 def test_lazy_masking_equals_the_masked_argmax_row_for_row():
     """``_lazy`` against masking every row and taking the argmax (what the probabilistic path does): random
     logits with many ties, a vocabulary that ends inside a mask word, host drafts, grammar rows that allow or
-    reject the unmasked argmax, rows without a grammar.  Token for token equal, and only the rejected rows are masked."""
+    reject the unmasked argmax (some with every allowed logit -inf, or a NaN among them), rows without a grammar.  Token for token equal, and only the rejected rows are masked."""
     import numpy as np
     import torch
 
@@ -142,12 +142,14 @@ def test_lazy_masking_equals_the_masked_argmax_row_for_row():
                            _bitmask=torch.empty((rows, mask_words(vocab)), dtype=torch.int32))
     fake._bitmask_np = fake._bitmask.numpy()
     fake._apply = lambda logits, n: GrammarDraftProposer._apply(fake, logits, n)
+    fake._allowed_argmax = lambda *a: GrammarDraftProposer._allowed_argmax(fake, *a)
     rng = np.random.default_rng(7)
     rejected = 0
     for _ in range(300):
         logits = torch.from_numpy(rng.integers(0, 6, size=(rows, vocab)).astype(np.float32))  # ties everywhere
         plain_argmax = logits.argmax(dim=-1).tolist()
         plan, want = _Plan(), np.full((rows, mask_words(vocab)), -1, dtype=np.int32)
+        grammar_rows = {}
         for i in range(rows):
             kind = rng.integers(0, 3)
             if kind == 0:  # a host draft: the argmax of its one-hot row
@@ -160,11 +162,17 @@ def test_lazy_masking_equals_the_masked_argmax_row_for_row():
                 allowed[int(rng.integers(0, vocab))] = True
                 if rng.random() < 0.5:
                     allowed[plain_argmax[i]] = False
-                rejected += not allowed[plain_argmax[i]]
+                if rng.random() < 0.1:  # every allowed logit -inf (the kernel's path decides), or a NaN among them
+                    logits[i, torch.from_numpy(np.flatnonzero(allowed))] = float("-inf")
+                    if rng.random() < 0.5:
+                        logits[i, int(rng.choice(np.flatnonzero(allowed)))] = float("nan")
+                grammar_rows[i] = allowed
                 bits = np.concatenate([allowed, np.zeros(mask_words(vocab) * 32 - vocab, dtype=bool)])
                 row = np.packbits(bits, bitorder="little").view(np.int32)
                 plan.masked.append((i, row))
                 want[i] = row
+        final_argmax = logits.argmax(dim=-1).tolist()
+        rejected += sum(not allowed[final_argmax[i]] for i, allowed in grammar_rows.items())
         masked = logits.clone()
         fake._bitmask_np[:rows] = want
         GrammarDraftProposer._apply(fake, masked, rows)
@@ -172,7 +180,7 @@ def test_lazy_masking_equals_the_masked_argmax_row_for_row():
         before = logits.clone()
         tokens, toks = GrammarDraftProposer._lazy(fake, logits, plan)
         assert toks == expected and tokens.tolist() == expected
-        assert torch.equal(logits, before)  # the draft's logits are left as they were
+        assert torch.equal(logits.nan_to_num(), before.nan_to_num())  # the draft's logits are left as they were
     assert counters["draft_rows_masked"] == rejected > 0 and counters["draft_rows_unmasked"] > 0
 
 
