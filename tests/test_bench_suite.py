@@ -165,7 +165,8 @@ def test_vllm_host_quick(tmp_path, monkeypatch):
     assert {r["method"] for r in rows} == {"plain", "grammar_chain"}
     _finite(rows, ["tokens", "rounds", "accepted", "acceptance", "tokens_per_pass"])
     timing = {r["method"]: r["timing"] for r in doc["rows"] if "timing" in r}
-    _finite(list(timing.values()), ["step_ms", "target_ms", "draft_ms", "our_grammar_ms", "vllm_grammar_ms"])
+    _finite(list(timing.values()), ["step_ms", "target_ms", "draft_ms", "our_grammar_ms", "vllm_grammar_ms",
+                                    "draft_forward_ms_per_draft_step", "draft_pass_tokens_per_draft_step"])
 
 
 def test_schemas_quick(tmp_path):
@@ -199,3 +200,18 @@ def test_cost_quick(tmp_path):
             assert 0 <= r[m]["complete_valid"] <= r[m]["n"]
         assert r["budget mask"]["complete_valid"] == r["budget mask"]["n"]  # the mask's guarantee (budget >= J0)
         assert math.isfinite(r["j0"]) and r["budget"] > 0
+
+
+def test_vllm_draft_host_quick(tmp_path):
+    _have("vllm", "xgrammar", "torch")
+    from conftest import needs_shared_data
+
+    needs_shared_data("tokenizers", "qwen2.5", "generated", "tokenizer.json")
+    needs_shared_data("jsonschemabench", "dev")
+    doc = bench(tmp_path, "vllm_draft_host", "--batch", "2", "--steps", "3", png=False)
+    assert doc["vocab_size"] == 151936
+    assert {(r["constraints"], r["batch"], r["lazy"]) for r in doc["rows"]} == {
+        (c, 2, lazy) for c in ("schemas", "string") for lazy in (False, True)}
+    _finite(doc["rows"], ["host_ms", "rows_masked", "positions_per_step"])
+    for r in doc["rows"]:
+        _finite([r["ms"]], list(r["ms"]))

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from specgrammar_plugins.compiler import CompileCache, compile_constraint
 from specgrammar_plugins.constraint import ConstraintSpec
-from specgrammar_plugins.masks import allowed_ids, mask_allows, mask_words
+from specgrammar_plugins.masks import allowed_ids, mask_allows, mask_words, pack_mask, single_allowed
 from specgrammar_plugins.errors import ConstraintError
 from specgrammar_plugins.testing import toy_tokenizer
 from specgrammar_plugins.tokenizer import TokenizerInfo
@@ -638,3 +638,14 @@ def test_xgrammar_keeps_the_schemas_additional_properties():
                                 xgrammar_strict_mode=True)
     m = narrow.matcher()
     assert not all(m.accept(t) for t in tok.encode('{"a": 1, "b": 2}'))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4000), st.lists(st.integers(0, 3999), max_size=3))
+def test_single_allowed_is_the_only_set_bit(vocab, ids):
+    """``single_allowed`` (the forced drafter's test at every position) against the unpacked row: the one allowed
+    token, else None (none or several; the sign bit of a word included)."""
+    allowed = np.zeros(vocab, dtype=bool)
+    allowed[[t for t in ids if t < vocab]] = True
+    want = np.flatnonzero(allowed)
+    assert single_allowed(pack_mask(allowed)) == (int(want[0]) if len(want) == 1 else None)

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from specgrammar_vllm import compat, config, cpu_fix, plugin, serve, wiring  # noqa: E402
-from specgrammar_vllm.structured import params_from_spec, spec_from_params  # noqa: E402
+from specgrammar_vllm.structured import params_from_spec, params_key, spec_from_params  # noqa: E402
 from specgrammar_plugins.constraint import ConstraintSpec  # noqa: E402
 
 
@@ -197,6 +197,28 @@ def test_engine_options_mirror_vllms_backend(toy_tok):
     assert not (m.accept_bytes(b'{"a": 1, "b": 2}') and m.accept(toy_tok.eos_token_id))
     m = compile_constraint(schema, toy_tok, engine, cache=None).matcher()  # ours, outside vLLM
     assert m.accept_bytes(b'{"a": 1, "b": 2}') and m.accept(toy_tok.eos_token_id)
+
+
+def test_params_key_stands_for_what_spec_from_params_reads():
+    """``GrammarStates`` keeps a request's spec and compiled constraint by ``params_key``: equal keys must mean equal
+    specs (the same precedence as ``spec_from_params``; look-alike values stay apart), and a request without a
+    constraint has none."""
+    from vllm.sampling_params import StructuredOutputsParams as SO
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [SO(json=schema), SO(json=dict(schema)), SO(json=json.dumps(schema)), SO(json={1: {"type": "integer"}}),
+             SO(json={"1": {"type": "integer"}}), SO(json={"type": "integer", "minimum": 1}),
+             SO(json={"type": "integer", "minimum": 1.0}), SO(json={"type": "integer", "minimum": True}),
+             SO(json_object=True), SO(regex="[0-9]+"), SO(regex="[0-9]*"), SO(choice=["a", "b"]),
+             SO(choice=["a", "b", "c"]), SO(grammar='root ::= "x"'), SO(grammar='start: "x"')]
+    keys = [params_key(so) for so in cases]
+    assert all(k is not None for k in keys)
+    for so, k in zip(cases, keys):
+        for so2, k2 in zip(cases, keys):
+            if k == k2:
+                assert spec_from_params(so) == spec_from_params(so2), (k, k2)
+    assert keys[0] == keys[1] and len({keys[3], keys[4]}) == 2 and len(set(keys[5:8])) == 3
+    assert params_key(None) is None and params_key(SO(structural_tag='{"x": 1}')) is None
 
 
 def test_launcher_arguments_and_version_shim(monkeypatch):

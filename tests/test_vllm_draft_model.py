@@ -115,3 +115,96 @@ def test_a_fault_in_our_drafting_drafts_nothing_for_that_request_and_the_engine_
     again = llm.generate(prompts[:2], params[:2], use_tqdm=False)  # the engine is alive and drafting
     assert [list(o.outputs[0].token_ids) for o in again] == runs.plain.tokens[:2]
     assert g.counters["draft_tokens"] > c1["draft_tokens"] and g.counters["proposer_errors"] == c1["proposer_errors"]
+
+
+def test_argmax_drafts_mask_only_the_rows_whose_argmax_the_grammar_rejects(runs):
+    """With argmax drafts (vLLM's default ``draft_sample_method``) a row is masked only where the grammar rejects
+    the draft's unmasked argmax (``GrammarDraftProposer._lazy``): on schemas the draft never saw both kinds of
+    rows occur, and the rows that were masked still drafted inside the grammar (vLLM never truncated a draft of
+    ours: ``test_blind_drafts_are_truncated_and_ours_never``) with the output the plain greedy one."""
+    c = proposer_of(runs.ours.llm).counters
+    assert c["draft_rows_unmasked"] > 0 and c["draft_rows_masked"] > 0, c
+
+
+def test_lazy_masking_equals_the_masked_argmax_row_for_row():
+    """``_lazy`` against masking every row and taking the argmax (what the probabilistic path does): random
+    logits with many ties, a vocabulary that ends inside a mask word, host drafts, grammar rows that allow or
+    reject the unmasked argmax (some with every allowed logit -inf, or a NaN among them), rows without a grammar.  Token for token equal, and only the rejected rows are masked."""
+    import numpy as np
+    import torch
+
+    from specgrammar_plugins.api import mask_words
+    from specgrammar_vllm.draft_proposer import GrammarDraftProposer, _Plan
+
+    vocab, rows = 1000, 9
+    counters = {"draft_rows_unmasked": 0, "draft_rows_masked": 0}
+    fake = SimpleNamespace(_vocab=vocab, grammar=SimpleNamespace(counters=counters),
+                           _bitmask=torch.empty((rows, mask_words(vocab)), dtype=torch.int32))
+    fake._bitmask_np = fake._bitmask.numpy()
+    fake._apply = lambda logits, n: GrammarDraftProposer._apply(fake, logits, n)
+    fake._allowed_argmax = lambda *a: GrammarDraftProposer._allowed_argmax(fake, *a)
+    rng = np.random.default_rng(7)
+    rejected = 0
+    for _ in range(300):
+        logits = torch.from_numpy(rng.integers(0, 6, size=(rows, vocab)).astype(np.float32))  # ties everywhere
+        plain_argmax = logits.argmax(dim=-1).tolist()
+        plan, want = _Plan(), np.full((rows, mask_words(vocab)), -1, dtype=np.int32)
+        grammar_rows = {}
+        for i in range(rows):
+            kind = rng.integers(0, 3)
+            if kind == 0:  # a host draft: the argmax of its one-hot row
+                t = int(rng.integers(0, vocab))
+                plan.host.append((i, t))
+                want[i] = 0
+                want[i, t >> 5] = np.array([1 << (t & 31)], dtype=np.uint32).view(np.int32)[0]
+            elif kind == 1:  # the grammar's row, allowing the unmasked argmax or not
+                allowed = rng.random(vocab) < rng.choice([0.02, 0.3, 0.9])
+                allowed[int(rng.integers(0, vocab))] = True
+                if rng.random() < 0.5:
+                    allowed[plain_argmax[i]] = False
+                if rng.random() < 0.1:  # every allowed logit -inf (the kernel's path decides), or a NaN among them
+                    logits[i, torch.from_numpy(np.flatnonzero(allowed))] = float("-inf")
+                    if rng.random() < 0.5:
+                        logits[i, int(rng.choice(np.flatnonzero(allowed)))] = float("nan")
+                grammar_rows[i] = allowed
+                bits = np.concatenate([allowed, np.zeros(mask_words(vocab) * 32 - vocab, dtype=bool)])
+                row = np.packbits(bits, bitorder="little").view(np.int32)
+                plan.masked.append((i, row))
+                want[i] = row
+        final_argmax = logits.argmax(dim=-1).tolist()
+        rejected += sum(not allowed[final_argmax[i]] for i, allowed in grammar_rows.items())
+        masked = logits.clone()
+        fake._bitmask_np[:rows] = want
+        GrammarDraftProposer._apply(fake, masked, rows)
+        expected = masked.argmax(dim=-1).tolist()
+        before = logits.clone()
+        tokens, toks = GrammarDraftProposer._lazy(fake, logits, plan)
+        assert toks == expected and tokens.tolist() == expected
+        assert torch.equal(logits.nan_to_num(), before.nan_to_num())  # the draft's logits are left as they were
+    assert counters["draft_rows_masked"] == rejected > 0 and counters["draft_rows_unmasked"] > 0
+
+
+def test_the_host_chain_runs_once_per_block_length():
+    """``_needs_model`` (after a position) and ``_plan`` (at the next) both ask for the host chain at the same block
+    length: it runs once there (it is a function of the block's sequence), and again once the block grew."""
+    from specgrammar_plugins.api import DraftBlock
+    from specgrammar_vllm.draft_proposer import _Row
+
+    class Once:
+        calls = 0
+
+        def extend(self, block, budget):
+            self.calls += 1
+            return 0
+
+    drafter = Once()
+    row = _Row("r", SimpleNamespace(drafter=drafter), DraftBlock([1, 2], None, 1024, 4))
+    row.chain(0)
+    row.chain(0)
+    assert drafter.calls == 1
+    row.block.push(5, None, "model")
+    row.chain(1)
+    row.chain(1)
+    assert drafter.calls == 2
+    row.chain(0)  # a host draft is already there: nothing to run
+    assert drafter.calls == 2

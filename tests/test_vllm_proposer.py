@@ -323,3 +323,33 @@ def test_a_budget_that_cuts_the_structure_off_is_reported(engines):
                                  use_tqdm=False)
     assert prop.counters["budget_cut_off"] == before + 1 and fits[0].outputs[0].finish_reason == "stop"
     assert prop.stats()["budget_cut_off"] == before + 1
+    # the verdict is worked out (and warned about) once per (constraint, max_tokens); every request is still counted
+    import logging
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.levelno)
+    logging.getLogger("vllm.specgrammar").addHandler(handler)
+    try:
+        engines.spec.generate([prompt], sampling_params(ex.constraint, temperature=0.0, max_tokens=3), use_tqdm=False)
+    finally:
+        logging.getLogger("vllm.specgrammar").removeHandler(handler)
+    assert prop.counters["budget_cut_off"] == before + 2 and logging.WARNING not in seen
+    assert any(3 in v and v[3] and MAX_TOKENS in v and v[MAX_TOKENS] is None for v in prop._budget_verdicts.values())
+
+
+def test_requests_of_one_constraint_share_its_spec_and_compiled_constraint(engines, monkeypatch):
+    """A request's spec and compiled constraint are kept by its structured-output params (``GrammarStates._memo``):
+    three requests of one constraint compile it once, and every one of them still drafts."""
+    import specgrammar_vllm.proposer as P
+
+    calls = []
+    real = P.compile_constraint
+    monkeypatch.setattr(P, "compile_constraint", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    prop = engines.proposer
+    spec = ConstraintSpec.regex("(ab|cd){2,5}-[0-9]{3}")
+    params = sampling_params(spec, temperature=0.0, max_tokens=24)
+    d0 = prop.counters["draft_tokens"]
+    outs = engines.spec.generate([W.chat_prompt("Write a code.")] * 3, [params] * 3, use_tqdm=False)
+    assert len(calls) == 1 and prop.counters["draft_tokens"] > d0
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)

@@ -12,13 +12,16 @@ vLLM's drafting loop calls at every draft position, ``_sample_draft_tokens`` (ll
 at :630, :651 and :762):
 
     logits = draft model's logits of the step's rows            [B, V], on vLLM's device
-    per row: the host chain first (forced tokens, jump-forward strings, recipe packs: ``GrammarStates``), then
-             the request's grammar mask at that position (``DraftBlock.mask``: one matcher fill, reused)
-    bitmask [B, V/32]: the host draft's one-hot row where the chain has a token, else the grammar's row, else all
-             ones (no grammar: drafts as vLLM's own) -> one H2D copy, xgrammar's ``apply_token_bitmask_inplace``
-             (the kernel vLLM's structured outputs mask the target with)
-    tokens, probs = vLLM's own draft sampler on the masked logits (``_sample_from_logits``: argmax when greedy
-             or ``draft_sample_method="greedy"``, else the temperature law, whose probs vLLM keeps)
+    per row: the host chain first (forced tokens, jump-forward strings, recipe packs: ``GrammarStates``; once per
+             block length), then the request's grammar mask at that position (``DraftBlock.mask``: one matcher
+             fill, reused)
+    argmax drafts (greedy, or vLLM's default ``draft_sample_method="greedy"``): the unmasked argmax, one copy to
+             the host; a host draft replaces its row's token; only the rows whose argmax the grammar rejects get
+             their mask applied and their argmax taken again (``_lazy``: the same tokens as masking every row)
+    sampled drafts: bitmask [B, V/32] (the host draft's one-hot row, else the grammar's row, else all ones: no
+             grammar, drafts as vLLM's own) -> one H2D copy, xgrammar's ``apply_token_bitmask_inplace`` (the
+             kernel vLLM's structured outputs mask the target with), then vLLM's own draft sampler
+             (``_sample_from_logits``: the temperature law of the masked logits, whose probs vLLM keeps)
     tokens -> host (one sync per position), pushed onto each request's block (the next position's mask)
 
 So a host draft is a one-hot proposal law (vLLM accepts it with q(d) and resamples from q without d), a model draft
@@ -76,13 +79,24 @@ def why_not_grammar(vllm_config, runner) -> str | None:
 class _Row:
     """One batch row's drafting at this step: its request state and draft block (None: no grammar drafts)."""
 
-    __slots__ = ("req_id", "st", "block", "real")
+    __slots__ = ("req_id", "st", "block", "real", "tried")
 
     def __init__(self, req_id, st, block):
         self.req_id = req_id
         self.st = st
         self.block = block
         self.real = 0  # leading positions whose drafted token is the block's (the request's real drafts)
+        self.tried = -1  # the block length at which the host chain last ran and stopped (it would stop there again)
+
+    def chain(self, j: int) -> None:
+        """Run the request's host chain (forced tokens, jump-forward strings, recipes) until the block has a token
+        at position ``j``, is done, or the chain has nothing more: once per block length, since the chain is a
+        function of the block's sequence (``_plan`` and ``_needs_model`` both ask at the same length)."""
+        b = self.block
+        n = len(b.tokens)
+        if n <= j and n != self.tried and not b.done:
+            fill(b, self.st.drafter)
+            self.tried = len(b.tokens)
 
 
 class _Step:
@@ -94,6 +108,18 @@ class _Step:
         self.pos = 0
         self.tokens: list = []  # per drafted position: the [B] draft tokens (device tensor)
         self.probs: list = []  # per drafted position: their [B, V] probabilities, or None (argmax drafts)
+
+
+class _Plan:
+    """One draft position's rows (``GrammarDraftProposer._plan``): ``host`` (row, host draft), ``masked`` (row, the
+    grammar's packed mask for the model's draft), ``known``: every row's token when no row needs the model there."""
+
+    __slots__ = ("host", "masked", "known")
+
+    def __init__(self):
+        self.host: list[tuple[int, int]] = []
+        self.masked: list[tuple[int, np.ndarray]] = []
+        self.known: list[int] | None = None
 
 
 class _EnoughDrafts(Exception):
@@ -170,56 +196,144 @@ class GrammarDraftProposer(DraftModelProposer):
         if step is None:
             return super()._sample_draft_tokens(hidden_states, sampling_metadata)
         num_rows = hidden_states.shape[0]
+        g = self.grammar
         t0 = time.perf_counter_ns()
         try:
-            any_mask, known = self._masks(step, num_rows)
+            plan = self._plan(step, num_rows)
         except Exception as e:  # the rest of this step drafts as vLLM's own (still verified: exact)
-            self.grammar.fault("masking a draft position", e)
+            g.fault("masking a draft position", e)
             self._end_grammar(step)
-            any_mask, known = False, None
+            plan = None
         probabilistic = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
         t1 = time.perf_counter_ns()
         apply_ns = 0
-        if known is not None:  # every row's draft here is a host draft (or nothing): no logits needed
-            self.grammar.counters["positions_without_logits"] += 1
-            tokens = torch.tensor(known, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
+        toks = None  # the position's tokens on the host, where this method already has them
+        if plan is not None and plan.known is not None:  # every row's draft is a host draft (or nothing)
+            g.counters["positions_without_logits"] += 1
+            toks = plan.known
+            tokens = torch.tensor(toks, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
             probs = None
             if probabilistic:  # one-hot laws, as vLLM's sampler returns them for one-allowed-token rows
                 probs = torch.zeros((num_rows, self._vocab), dtype=torch.float32, device=hidden_states.device)
                 probs.scatter_(1, tokens.view(-1, 1), 1.0)
         else:
             logits = self.model.compute_logits(hidden_states)
-            if any_mask:
-                import xgrammar as xgr
-
+            if plan is None or not (plan.host or plan.masked):
+                pass  # no grammar row here: vLLM's own draws
+            elif probabilistic:  # the masked law's probabilities are verified with: every row masked
                 a0 = time.perf_counter_ns()
-                bitmask = self._bitmask[:num_rows].to(logits.device, non_blocking=True)
-                xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab)
+                self._apply(logits, self._eager_rows(plan, num_rows))
+                apply_ns = time.perf_counter_ns() - a0
+            else:  # argmax drafts: masks only where the grammar rejects the unmasked argmax (_lazy)
+                am = logits.argmax(dim=-1)  # vLLM's own draft (not counted as ours)
+                a0 = time.perf_counter_ns()
+                tokens, toks = self._lazy(logits, plan, am)
                 apply_ns = time.perf_counter_ns() - a0
             # vLLM's own draft sampling (llm_base_proposer.py:478-509), on the masked logits
-            if probabilistic:
+            if toks is not None:
+                probs = None
+            elif probabilistic:
                 tokens, probs = self._sample_from_logits(logits, sampling_metadata)
             else:
                 tokens, probs = logits.argmax(dim=-1), None
         t2 = time.perf_counter_ns()
         enough = False
         try:
-            self._advance(step, tokens.tolist())
+            self._advance(step, toks if toks is not None else tokens.tolist())
             step.tokens.append(tokens)
             step.probs.append(probs)
             step.pos += 1
             enough = self._may_skip and step.pos < step.k and not self._needs_model(step)
         except Exception as e:
-            self.grammar.fault("reading a draft position", e)
+            g.fault("reading a draft position", e)
             self._end_grammar(step)
             step.pos = len(step.tokens)
-        g = self.grammar
         g.timing_ns["grammar"] += (t1 - t0) + apply_ns + (time.perf_counter_ns() - t2)
         g.counters["draft_passes"] += 1
         if enough:  # skip the draft-model passes nobody needs: propose() assembles the drafts
             g.counters["draft_passes_skipped"] += step.k - step.pos
             raise _EnoughDrafts
         return tokens, probs
+
+    def _lazy(self, logits, plan: "_Plan", am=None):
+        """Argmax drafts under the grammar without masking every row: the unmasked argmax of a row whose grammar
+        allows it is the masked argmax too (masking only lowers other entries to -inf, and ``argmax`` takes the
+        first maximum, which is then the first allowed one), so only the rows whose argmax the grammar rejects
+        get their mask applied and their argmax taken again; a row with a host draft takes that token (the
+        argmax of its one-hot mask).  Exact, token for token, and at a large vocabulary most rows skip the
+        [V]-wide mask, its host-to-device copy and the masking kernel (on a CPU a rejected row's argmax is taken
+        over its allowed ids: ``_allowed_argmax``).  ``am``: the unmasked argmax when the caller has it.  Returns (tokens [B] on the logits' device, the same as a list)."""
+        if am is None:
+            am = logits.argmax(dim=-1)
+        toks = am.tolist()
+        vocab = self._vocab
+        fix = []
+        for i, row in plan.masked:
+            t = toks[i]
+            if t >= vocab or not (int(row[t >> 5]) >> (t & 31)) & 1:
+                fix.append((i, row))
+        c = self.grammar.counters
+        c["draft_rows_unmasked"] += len(plan.masked) - len(fix)
+        c["draft_rows_masked"] += len(fix)
+        changed = bool(fix)
+        for i, t in plan.host:
+            if toks[i] != t:
+                toks[i] = t
+                changed = True
+        if fix and logits.device.type == "cpu":  # each row's argmax over its allowed ids (_allowed_argmax)
+            fix = [(i, row) for i, row in fix if not self._allowed_argmax(logits, i, row, toks)]
+        if fix:
+            bm = self._bitmask_np
+            for n, (_i, row) in enumerate(fix):
+                bm[n] = row
+            idx = torch.tensor([i for i, _ in fix], dtype=torch.int64).to(logits.device, non_blocking=True)
+            sub = logits.index_select(0, idx)
+            self._apply(sub, len(fix))
+            for (i, _), t in zip(fix, sub.argmax(dim=-1).tolist()):
+                toks[i] = t
+        if not changed:
+            return am, toks
+        return torch.tensor(toks, dtype=am.dtype).to(logits.device, non_blocking=True), toks
+
+    def _allowed_argmax(self, logits, i: int, row: np.ndarray, toks: list) -> bool:
+        """On a CPU: ``toks[i]`` = the masked argmax of row ``i`` taken over its allowed ids alone (ascending, so the
+        first maximum is the kernel's; ids past the vocabulary, which the kernel leaves unmasked, included): at
+        151,936 tokens ~10x cheaper than masking the row.  False (nothing set) where the kernel must decide: no
+        allowed id, or none with a finite logit above -inf."""
+        vocab = self._vocab
+        ids = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab])
+        width = logits.shape[-1]
+        if width > vocab:
+            ids = np.concatenate([ids, np.arange(vocab, width)])
+        if not len(ids):
+            return False
+        vals = logits[i].index_select(0, torch.from_numpy(ids))
+        j = int(vals.argmax())  # (a NaN is the maximum here as after the kernel: the first allowed NaN either way)
+        if float(vals[j]) == float("-inf"):  # every allowed logit -inf: the masked row's argmax is the row's first id
+            return False
+        toks[i] = int(ids[j])
+        return True
+
+    def _apply(self, logits, num_rows: int) -> None:
+        """Mask ``logits`` [num_rows, V] in place with the pinned bitmask's first ``num_rows`` rows (one H2D copy,
+        xgrammar's kernel: the one vLLM's structured outputs mask the target with)."""
+        import xgrammar as xgr
+
+        bitmask = self._bitmask[:num_rows].to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab)
+
+    def _eager_rows(self, plan: "_Plan", num_rows: int) -> int:
+        """Every row's mask in the pinned bitmask (draws from the masked law need its probabilities): a host
+        draft's one-hot row, the grammar's row, else all ones.  Returns ``num_rows``."""
+        bm = self._bitmask_np
+        bm[:num_rows] = -1
+        for i, t in plan.host:
+            bit = 1 << (t & 31)
+            bm[i] = 0
+            bm[i, t >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit
+        for i, row in plan.masked:
+            bm[i] = row
+        return num_rows
 
     # ------------------------------------------------------------------ one draft step
     def _begin(self, batch, k: int) -> _Step:
@@ -253,50 +367,44 @@ class GrammarDraftProposer(DraftModelProposer):
                 rows.append(_Row(req_id, None, None))
         return _Step(rows, k)
 
-    def _masks(self, step: _Step, num_rows: int) -> tuple[bool, list[int] | None]:
-        """Fill the pinned bitmask rows for draft position ``step.pos``.  Returns (whether any row needs its mask,
-        the position's tokens when every row's is already known: a host draft, or nothing to draft)."""
+    def _plan(self, step: _Step, num_rows: int) -> "_Plan":
+        """Each row's draft at position ``step.pos``: a host draft (the chain runs first), the grammar's mask
+        for the model's draft, or nothing of ours (no grammar: the model drafts as vLLM's; past a request's drafts:
+        padding, cut by ``_finish``)."""
         j = step.pos
-        bm = self._bitmask_np
-        any_mask = False
+        rows = step.rows
+        plan = _Plan()
         known: list[int] | None = [0] * num_rows
-        for i in range(num_rows):
-            r = step.rows[i] if i < len(step.rows) else None
-            b = r.block if r is not None else None
+        for i in range(min(num_rows, len(rows))):
+            r = rows[i]
+            if r is None:
+                continue
+            b = r.block
             if b is None:
-                bm[i] = -1
-                if r is not None and (r.st is None or not r.st.grammar):
+                if r.st is None or not r.st.grammar:
                     known = None  # no grammar (or a fault): the model drafts, as vLLM's own
                 continue
             try:
-                if len(b.tokens) <= j and not b.done:
-                    fill(b, r.st.drafter)  # the host chain first: forced tokens, jump-forward strings, recipes
-                if len(b.tokens) > j:  # a host draft: its one-hot row
+                r.chain(j)  # the host chain first: forced tokens, jump-forward strings, recipes
+                if len(b.tokens) > j:  # a host draft
                     t = b.tokens[j]
-                    bit = 1 << (t & 31)
-                    bm[i] = 0
-                    bm[i, t >> 5] = bit - (1 << 32) if bit >= 1 << 31 else bit
+                    plan.host.append((i, t))
                     if known is not None:
                         known[i] = t
-                elif b.done:  # past the request's drafts (e.g. the grammar is complete): padding, cut in propose()
-                    bm[i] = -1
-                    continue
-                else:
+                elif not b.done:
                     row = b.mask()
-                    if not row.any():  # nothing allowed (cannot happen for a live grammar): stop drafting here
+                    if not np.count_nonzero(row):  # nothing allowed (cannot happen for a live grammar): stop drafting here
                         b.closed = True
-                        bm[i] = -1
                         continue
-                    bm[i] = row
+                    plan.masked.append((i, row))
                     known = None
+                # else: past the request's drafts (e.g. the grammar is complete): padding
             except Exception as e:
                 self.grammar.fault("the grammar mask at a draft position", e, r.req_id)
                 r.block = None
-                bm[i] = -1
                 known = None
-                continue
-            any_mask = True
-        return any_mask, known
+        plan.known = known
+        return plan
 
     def _advance(self, step: _Step, tokens: list[int]) -> None:
         """Push the model's draft of position ``step.pos`` onto each block that did not have a host draft there,
@@ -324,8 +432,7 @@ class GrammarDraftProposer(DraftModelProposer):
                 if r.st is None or not r.st.grammar:
                     return True
                 continue
-            if len(b.tokens) <= p and not b.done:
-                fill(b, r.st.drafter)  # what _masks would do first at position p
+            r.chain(p)  # what _plan does first at position p
             if not b.done:
                 return True
         return False

@@ -42,6 +42,7 @@ import json
 import logging
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -51,15 +52,18 @@ from specgrammar_plugins.api import (BudgetError, ConstraintError, DraftBlock, H
                                      SpecOptions, check_budget, compile_constraint, fill, make_drafter,
                                      resolve_pack_name)
 
-from .structured import ENGINES, engine_options, spec_from_params
+from .structured import ENGINES, engine_options, params_key, spec_from_params
 
 log = logging.getLogger("vllm.specgrammar")
 
 _INSTANCES: "weakref.WeakSet[GrammarStates]" = weakref.WeakSet()
+_MISS = object()
+MEMO_SIZE = 256  # GrammarStates._memo: requests' specs and compiled constraints kept, most recently used
 DEFAULT_DRAFTERS = ("forced", "recipe")
 COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
             "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "proposer_errors",
-            "draft_passes", "draft_passes_skipped", "positions_without_logits", "budget_cut_off")
+            "draft_passes", "draft_passes_skipped", "positions_without_logits", "budget_cut_off",
+            "draft_rows_unmasked", "draft_rows_masked")
 MOVED_DRAFT_MODEL = (
     "the specgrammar option 'draft_model' is gone: give the draft model to vLLM instead, "
     "--speculative-config '{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K}' "
@@ -134,6 +138,9 @@ class GrammarStates:
         self.timing_ns = {"grammar": 0}  # host work of the grammar drafts (benchmarks read it)
         self.last_drafted: dict[str, int] = {}  # request id -> drafts proposed at its last step (tests)
         self._faulted: set = set()  # requests (and kinds of step-wide faults) already logged
+        self._memos: OrderedDict = OrderedDict()  # _memo's: a request's spec and compiled constraint by its params
+        # compiled constraint -> {max_tokens: why it cannot end within it, or None}: _check_budget's verdicts
+        self._budget_verdicts: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         self._logged_at = time.monotonic()
         _INSTANCES.add(self)
 
@@ -148,15 +155,19 @@ class GrammarStates:
         self.counters["requests_seen"] += 1
         sp = getattr(req, "sampling_params", None)
         prompt_len = int(getattr(req, "num_prompt_tokens", 0) or 0)
-        spec = spec_from_params(getattr(sp, "structured_outputs", None)) if sp is not None else None
+        so = getattr(sp, "structured_outputs", None) if sp is not None else None
+        key = params_key(so)
+        spec = self._memo(("spec", key) if key else None, lambda: spec_from_params(so))
         if spec is None or self.reasoning:
             self.counters["requests_without_grammar"] += 1
             return _RequestState(None, None, prompt_len, (), grammar=spec is not None)
         stop_ids = tuple(sorted(int(t) for t in (getattr(sp, "all_stop_token_ids", None) or ())))
-        tok = self._tokenizer_info(stop_ids, getattr(sp, "eos_token_id", None))
+        eos = getattr(sp, "eos_token_id", None)
+        tok = self._tokenizer_info(stop_ids, eos)
+        engine = self._engine_for(so)
         try:
-            compiled = compile_constraint(spec, tok, engine=self._engine_for(sp.structured_outputs),
-                                          **self.engine_options)
+            compiled = self._memo(("compiled", key, engine, stop_ids, eos) if key else None,
+                                  lambda: compile_constraint(spec, tok, engine=engine, **self.engine_options))
         except ConstraintError as e:  # vLLM's own backend refuses it too (or will): no drafts, no failure here
             self.counters["compile_errors"] += 1
             log.warning("specgrammar: no grammar drafts for a request: %s", e)
@@ -202,15 +213,45 @@ class GrammarStates:
             drafter = chain(names)
         return _RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
 
+    def _memo(self, key, make):
+        """``make()``, once per ``key`` (None: every time) among the last ``MEMO_SIZE`` keys.  For a request's spec
+        and compiled constraint: ``spec_from_params`` (up to ms for a grammar) and ``compile_constraint``'s checks
+        and cache lookup run in the engine step of each new request's first draft step, and many requests share
+        one constraint.  Errors are not kept (they are raised again, and counted, for every request)."""
+        if key is None:
+            return make()
+        memo = self._memos
+        hit = memo.get(key, _MISS)
+        if hit is _MISS:
+            hit = memo[key] = make()
+            if len(memo) > MEMO_SIZE:
+                memo.popitem(last=False)
+        else:
+            memo.move_to_end(key)
+        return hit
+
     def _check_budget(self, compiled, max_tokens) -> None:
         """The drafting side of budget feasibility: vLLM's own sampler draws the target's tokens, so a request whose
-        constraint cannot end within its ``max_tokens`` will be cut off mid-structure; count it and say so."""
-        try:
-            check_budget(compiled, SpecOptions(), max_tokens if isinstance(max_tokens, int) else None)
-        except BudgetError as e:
+        constraint cannot end within its ``max_tokens`` will be cut off mid-structure; count it and say so.  The
+        verdict is a function of the compiled constraint (the compile cache hands every request of one constraint
+        the same object) and ``max_tokens``, so it is worked out once per pair: the certified walk costs up to tens
+        of ms, which would otherwise land in the engine step of every new request."""
+        budget = max_tokens if isinstance(max_tokens, int) else None
+        seen = self._budget_verdicts.get(compiled)
+        if seen is None or len(seen) >= 64:  # (a client cycling through max_tokens values: start over)
+            seen = self._budget_verdicts[compiled] = {}
+        first = budget not in seen
+        if first:
+            try:
+                check_budget(compiled, SpecOptions(), budget)
+                seen[budget] = None
+            except BudgetError as e:
+                seen[budget] = e.reason
+        reason = seen[budget]
+        if reason is not None:  # said once per verdict (a log line costs ~0.1-0.7 ms in the engine step), counted always
             self.counters["budget_cut_off"] += 1
-            log.warning("specgrammar: this request will end cut off at max_tokens (vLLM samples the target's tokens "
-                        "without a budget mask): %s", e.reason)
+            log.log(logging.WARNING if first else logging.DEBUG, "specgrammar: this request will end cut off at "
+                    "max_tokens (vLLM samples the target's tokens without a budget mask): %s", reason)
 
     def begin(self, st: _RequestState, context: np.ndarray, n: int, k: int | None = None) -> DraftBlock | None:
         """The request's draft block for this step, on a fork of its matcher synced to ``context[:n]`` (the
@@ -234,7 +275,9 @@ class GrammarStates:
         budget = min(self.k if k is None else k, self.max_model_len - n)
         if budget <= 0:
             return None
-        return DraftBlock(context[:n], m.fork(), self.vocab_size, budget, st.stop_ids)
+        # the history's own matcher, not a fork (O(tokens so far) on xgrammar): the next sync rolls back the drafts
+        # vLLM did not commit
+        return DraftBlock(context[:n], st.history.draft(), self.vocab_size, budget, st.stop_ids)
 
     def record(self, st: _RequestState, req_id: str, tokens: Sequence[int], sources: Sequence[str]) -> None:
         """Count the drafts proposed for a request at this step (its outcome is seen at the next one)."""

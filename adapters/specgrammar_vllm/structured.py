@@ -40,6 +40,22 @@ def spec_from_params(so) -> ConstraintSpec | None:
     return None
 
 
+def params_key(so) -> tuple | None:
+    """A hashable key of what ``spec_from_params`` reads of ``so`` (the same precedence): equal keys, equal specs.
+    Strings are their own key, other values their ``repr`` (``{1: ...}`` and ``{"1": ...}`` stay apart; a key
+    order or a spelling that differs only misses).  None when there is no constraint."""
+    if so is None:
+        return None
+    for name in ("json", "json_object", "regex", "choice", "grammar"):
+        v = getattr(so, name, None)
+        if v is None or (name == "json_object" and not v):
+            continue
+        if name == "json_object":
+            return (name,)
+        return (name, v) if isinstance(v, str) else (name, type(v).__name__, repr(v))
+    return None
+
+
 def engine_options(vllm_config) -> tuple[str, dict]:
     """(our engine name, compile options) matching vLLM's structured-output backend configuration."""
     so_cfg = getattr(vllm_config, "structured_outputs_config", None)

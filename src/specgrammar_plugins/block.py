@@ -100,7 +100,14 @@ class DraftBlock:
 
     @property
     def done(self) -> bool:
-        return self.closed or self.room <= 0 or (self.matcher is not None and self.matcher.is_terminated())
+        # (``room <= 0`` spelled out: drafters and hosts ask at every position, several times)
+        if self.closed:
+            return True
+        n = len(self.tokens)
+        if n >= self.capacity or n - self.n_free >= self.budget:
+            return True
+        m = self.matcher
+        return m is not None and m.is_terminated()
 
     def sequence(self) -> list[int]:
         return [*self.context, *self.tokens]
@@ -110,24 +117,25 @@ class DraftBlock:
         the draft laws and the target law all read this row."""
         if self.matcher is None:
             return None
-        i = self.position
-        if len(self.masks) <= i:
-            t0 = time.perf_counter_ns()
-            if self.matcher.is_terminated() or self.closed or self.dead:
-                row = _full_row(self.vocab_size)  # never sampled from: a placeholder for an unused row
-                self.placeholders += 1
-            else:
-                row = np.empty(mask_words(self.vocab_size), dtype=np.int32)
-                self.matcher.fill_mask(row)
-                self.mask_fills += 1
-                if self.fit is not None:
-                    self.fit_cut.append(self.fit.restrict(row, self.sequence()[self.prompt_len:]))
-            if len(self.fit_cut) < len(self.masks) + 1:
-                self.fit_cut.append(False)
-            self.masks.append(row)
-            if self.tilt_fn is not None:
-                self.tilts.append(self.tilt_fn(self.sequence()[self.prompt_len:], self.matcher))
-            self.mask_ns += time.perf_counter_ns() - t0
+        i = len(self.tokens)
+        if len(self.masks) > i:  # (the common case: filled once, read by the drafters and the host)
+            return self.masks[i]
+        t0 = time.perf_counter_ns()
+        if self.matcher.is_terminated() or self.closed or self.dead:
+            row = _full_row(self.vocab_size)  # never sampled from: a placeholder for an unused row
+            self.placeholders += 1
+        else:
+            row = np.empty(mask_words(self.vocab_size), dtype=np.int32)
+            self.matcher.fill_mask(row)
+            self.mask_fills += 1
+            if self.fit is not None:
+                self.fit_cut.append(self.fit.restrict(row, self.sequence()[self.prompt_len:]))
+        if len(self.fit_cut) < len(self.masks) + 1:
+            self.fit_cut.append(False)
+        self.masks.append(row)
+        if self.tilt_fn is not None:
+            self.tilts.append(self.tilt_fn(self.sequence()[self.prompt_len:], self.matcher))
+        self.mask_ns += time.perf_counter_ns() - t0
         return self.masks[i]
 
     def tick(self, phase: str, t0: int) -> int:

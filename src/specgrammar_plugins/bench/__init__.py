@@ -20,6 +20,7 @@ BENCHMARKS = {
     "mlx_host": "mlx-lm: our loop vs mlx-lm constrained and mlx-lm's own speculative loop",
     "llama_cpp_host": "llama-cpp-python: our Llama vs stock Llama (no drafting / blind draft_model)",
     "vllm_host": "vLLM: our proposers vs vLLM's draft_model and ngram under the same structured outputs",
+    "vllm_draft_host": "vLLM: the grammar-aware draft step's host work at V = 151,936, lazy vs every-row masking",
 }
 
 

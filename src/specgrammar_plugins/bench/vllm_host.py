@@ -21,8 +21,9 @@ Reported per workload and configuration, from vLLM's own counters (``llm.get_met
 tokens, accepted tokens, tokens per target pass (each pass commits its accepted drafts + one target token),
 acceptance by draft position, and whether every output equals ``plain``'s token for token (T = 0).  Per
 configuration, the engine step split by wrapping vLLM's own calls in-process (CPU: every call is synchronous):
-target (``execute_model`` + ``sample_tokens`` minus drafting), draft (``propose_draft_token_ids``), of which our
-host grammar work (history sync, host drafters, mask rows, pushes: ``GrammarStates.timing_ns``), and vLLM's own
+target (``execute_model`` + ``sample_tokens`` minus drafting), draft (``propose_draft_token_ids``), of which the
+draft model's passes (its ``forward``: time, passes and tokens per draft step) and our host grammar work (history
+sync, host drafters, mask rows, pushes: ``GrammarStates.timing_ns``, wall clock), and vLLM's own
 grammar work (``get_grammar_bitmask`` for the target rows + ``validate_tokens`` of the drafts).  ``--profile``
 adds a cProfile pass per configuration: the share of engine time by package (a per-request CPU draft model would
 show as ``transformers``).
@@ -45,7 +46,7 @@ from typing import Sequence
 
 METHODS = ("plain", "grammar", "grammar_recipe", "grammar_model", "grammar_chain", "draft_model", "ngram")
 JSB = "jsonschemabench"
-PHASES = ("step", "forward", "sample", "draft", "vllm_grammar")
+PHASES = ("step", "forward", "sample", "draft", "vllm_grammar", "draft_forward")
 
 
 def jsb_examples(n: int, stride: int = 7) -> list[tuple[str, object, dict]]:
@@ -105,7 +106,7 @@ class _Timers:
 
         def timed(*a, **kw):
             if batch is not None:
-                self.rows[phase] += batch()
+                self.rows[phase] += batch(*a, **kw)
             t0, w0 = time.thread_time_ns(), time.perf_counter_ns()
             try:
                 return fn(*a, **kw)
@@ -170,7 +171,10 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     timers.wrap(runner, "execute_model", "forward")
     timers.wrap(runner, "sample_tokens", "sample")
     if hasattr(runner, "drafter"):
-        timers.wrap(runner, "propose_draft_token_ids", "draft", batch=lambda: runner.input_batch.num_reqs)
+        timers.wrap(runner, "propose_draft_token_ids", "draft", batch=lambda *a, **kw: runner.input_batch.num_reqs)
+        model = getattr(runner.drafter, "model", None)
+        if model is not None and hasattr(model, "forward"):  # the draft model's passes (tokens: their positions)
+            timers.wrap(model, "forward", "draft_forward", batch=_tokens_in)
     timers.wrap(core.scheduler, "get_grammar_bitmask", "vllm_grammar")
     timers.wrap(core.scheduler.structured_output_manager, "validate_tokens", "vllm_grammar")
     prop = proposer_of(llm)
@@ -214,6 +218,9 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
         "our_grammar_ms_per_draft_step": ours / drafts / 1e6 if drafts else 0.0,
         "our_grammar_us_per_request_step": ours / timers.rows["draft"] / 1e3 if timers.rows["draft"] else 0.0,
         "vllm_grammar_ms": ns["vllm_grammar"] / steps / 1e6,
+        "draft_forward_ms_per_draft_step": ns["draft_forward"] / drafts / 1e6 if drafts else 0.0,
+        "draft_passes_per_draft_step": timers.calls["draft_forward"] / drafts if drafts else 0.0,
+        "draft_pass_tokens_per_draft_step": timers.rows["draft_forward"] / drafts if drafts else 0.0,
         "other_ms": (ns["step"] - ns["forward"] - ns["sample"] - ns["vllm_grammar"]) / steps / 1e6,
         "wall_step_ms": timers.wall_ns["step"] / steps / 1e6,
         "wall_draft_ms_per_draft_step": timers.wall_ns["draft"] / drafts / 1e6 if drafts else 0.0,
@@ -225,6 +232,12 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     rows.append({"workload": "*", "method": method, "timing": timing,
                  "proposer": prop.stats() if prop is not None else None})
     return rows
+
+
+def _tokens_in(*a, **kw) -> int:
+    """Tokens in one draft-model pass (vLLM calls ``model(input_ids=..., positions=..., ...)``)."""
+    pos = kw.get("positions", a[1] if len(a) > 1 else None)
+    return int(pos.shape[-1]) if pos is not None and hasattr(pos, "shape") else 0
 
 
 def _model_class(drafter) -> str | None:
@@ -329,8 +342,8 @@ def table(rows: list[dict]) -> str:
 def timing_table(rows: list[dict]) -> str:
     out = ["CPU ms of the engine thread (in-process engine); wall ms in the JSON.", "",
            "| method | steps | ms/step | target ms/step | draft ms/step | draft ms per draft step (mean batch) | draft "
-           "us per request per draft step | of which ours (grammar) | vLLM grammar ms/step | draft us per token "
-           "| step us per token | draft model |", "|" + "---|" * 12]
+           "us per request per draft step | of which ours (grammar) | draft model passes ms per draft step (passes, "
+           "tokens) | vLLM grammar ms/step | draft us per token | step us per token | draft model |", "|" + "---|" * 13]
     for r in rows:
         t = r.get("timing")
         if not t:
@@ -338,7 +351,8 @@ def timing_table(rows: list[dict]) -> str:
         out.append(f"| {r['method']} | {t['steps']} | {t['step_ms']:.2f} | {t['target_ms']:.2f} | {t['draft_ms']:.2f} "
                    f"| {t['draft_ms_per_draft_step']:.2f} ({t['mean_batch']:.1f}) | "
                    f"{t['draft_us_per_request_step']:.0f} | {t['our_grammar_us_per_request_step']:.0f} | "
-                   f"{t['vllm_grammar_ms']:.2f} | {t['draft_us_per_token']:.0f} | {t['step_us_per_token']:.0f} | "
+                   f"{t.get('draft_forward_ms_per_draft_step', 0.0):.2f} ({t.get('draft_passes_per_draft_step', 0.0):.2f}, "
+                   f"{t.get('draft_pass_tokens_per_draft_step', 0.0):.0f}) | {t['vllm_grammar_ms']:.2f} | {t['draft_us_per_token']:.0f} | {t['step_us_per_token']:.0f} | "
                    f"{t['draft_model_class'] or '-'} |")
     profiles = [(r["method"], r["timing"]["profile"]) for r in rows if r.get("timing", {}).get("profile")]
     if profiles:
