@@ -179,6 +179,10 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: s
     if size > LIMITS.max_constraint_bytes:
         raise ConstraintError(f"the constraint is {size} bytes; the limit is {LIMITS.max_constraint_bytes} "
                               "(SPECGRAMMAR_MAX_CONSTRAINT_BYTES)", engine=engine, kind=spec.kind)
+    if cache is not None and engine != "auto":  # compiled before: the checks below passed then (on a large schema
+        hit = cache.get(_cache_key(spec, tokenizer, engine, options))  # the depth scan and emptiness walk cost ms)
+        if hit is not None:
+            return _for_spec(spec, hit)
     why = too_deep(f"the {spec.kind}", constraint_depth(spec.kind, spec.value, spec.syntax))
     if why:  # engines and our walkers recurse per level: bounded before any of them runs
         raise ConstraintError(why, engine=engine, kind=spec.kind)
@@ -219,29 +223,36 @@ def _compile_checked(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str
         raise ConstraintError("; ".join(f"{e.engine}: {e.reason}" for e in errors), engine="auto", kind=spec.kind)
     from .plugins import get_engine
 
-    key = (spec.without_trigger().key(), tokenizer.fingerprint, tokenizer.vocab_size, engine,
-           canonical_json(sorted(options.items())))
-    hit = cache.get(key) if cache is not None else None
-    if hit is None:
-        t0 = time.perf_counter()
-        target, rewrites = spec.without_trigger(), ()
-        if spec.kind == "json_schema":
-            target, rewrites = _rewritten_schema(target, engine)
-        eng = get_engine(engine)
-        try:
-            hit = _compile_with_timeout(eng, target, tokenizer, options,
-                                        LIMITS.compile_timeout_s if _timeout is None else _timeout)
-        except ConstraintError:
-            raise
-        except Exception as e:  # an engine's own exception type: report its words under ours
-            raise ConstraintError(f"{type(e).__name__}: {e}", engine=engine, kind=spec.kind) from e
-        hit.compile_ms = (time.perf_counter() - t0) * 1e3
-        hit.rewrites = rewrites
-        if cache is not None:
-            cache.put(key, hit)
+    # (compile_constraint looked it up in the cache: a miss)
+    t0 = time.perf_counter()
+    target, rewrites = spec.without_trigger(), ()
+    if spec.kind == "json_schema":
+        target, rewrites = _rewritten_schema(target, engine)
+    eng = get_engine(engine)
+    try:
+        hit = _compile_with_timeout(eng, target, tokenizer, options,
+                                    LIMITS.compile_timeout_s if _timeout is None else _timeout)
+    except ConstraintError:
+        raise
+    except Exception as e:  # an engine's own exception type: report its words under ours
+        raise ConstraintError(f"{type(e).__name__}: {e}", engine=engine, kind=spec.kind) from e
+    hit.compile_ms = (time.perf_counter() - t0) * 1e3
+    hit.rewrites = rewrites
+    if cache is not None:
+        cache.put(_cache_key(spec, tokenizer, engine, options), hit)
+    return _for_spec(spec, hit)
+
+
+def _cache_key(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str, options: dict) -> tuple:
+    return (spec.without_trigger().key(), tokenizer.fingerprint, tokenizer.vocab_size, engine,
+            canonical_json(sorted(options.items())))
+
+
+def _for_spec(spec: ConstraintSpec, hit: CompiledConstraint) -> CompiledConstraint:
+    """The compiled grammar for ``spec``: itself, or with a trigger a spec that remembers it (free text until the
+    trigger, then the grammar)."""
     if spec.trigger is None:
         return hit
-    # same compiled grammar, a spec that remembers the trigger: free text until it, then the grammar
     from .trigger import TriggeredMatcher
 
     return CompiledConstraint(spec, hit.tokenizer, hit.engine, hit.compiled, hit.make_matcher, hit.compile_ms,
