@@ -32,7 +32,7 @@ from .history import HistoryMatcher, MaskProcessor, RequestBoundary, StopOnlyMas
 from .laws import LawBackend
 from .laws import get as law_backend
 from .loop import Commit, SpeculativeLoop, Stats
-from .masks import mask_words, new_mask, unpack_mask
+from .masks import allowed_ids, mask_allows, mask_words, new_mask, set_bit, unpack_mask
 from .resources import patch_path
 from .plugins import drafters as registered_drafters
 from .prefix import common_prefix_len, sync_runner
@@ -48,7 +48,8 @@ __all__ = [
     "MaskProcessor", "Matcher", "ModelRunner", "RecipePackError", "RequestBoundary", "RequestError", "SamplingParams",
     "SpecGrammarError", "SpecOptions", "SpeculativeLoop", "Stats", "StopOnlyMask", "TokenizerInfo",
     "TokenizerMismatchError", "Verdict", "budget_of", "check_budget", "check_request", "common_prefix_len", "compile_constraint", "fill",
-    "law_backend", "log_law", "make_drafter", "make_loop", "mask_words", "new_mask", "parse_request", "patch_path",
-    "registered_drafters", "resolve_pack", "resolve_pack_name", "sync_runner", "unpack_mask", "verify_block",
+    "allowed_ids", "law_backend", "log_law", "make_drafter", "make_loop", "mask_allows", "mask_words", "new_mask",
+    "parse_request", "patch_path", "registered_drafters", "resolve_pack", "resolve_pack_name", "set_bit",
+    "sync_runner", "unpack_mask", "verify_block",
     "with_defaults",
 ]
