@@ -274,6 +274,24 @@ def test_padding_and_specials_never_allowed(engine, toy):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_special_tokens_refused_quietly(engine, capfd):
+    """A special token offered to ``accept`` (a lazy draft block offers a draft model's argmax, which may be one) is
+    refused without a word: xgrammar 0.2.8 writes a warning to stderr for each ("GrammarMatcher cannot accept
+    special token id ..."), which our matcher does not let it reach."""
+    from specgrammar_plugins.models import tiny_tokenizer_info
+
+    tok = tiny_tokenizer_info()
+    m = compile_constraint(ConstraintSpec.regex(r"[a-z]*"), tok, engine).matcher()
+    specials = [i for i, b in enumerate(tok.token_bytes) if not b and i not in tok.stop_token_ids]
+    assert specials
+    capfd.readouterr()
+    for t in specials * 3:
+        assert not m.accept(t)
+    assert "special token" not in capfd.readouterr().err
+    assert m.accept(tok.encode("a")[0])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_stop_token_only_when_complete(engine, toy):
     m = compile_constraint(ConstraintSpec.regex(r"[0-9]{2}"), toy, engine).matcher()
     eos = toy.eos_token_id
@@ -649,3 +667,17 @@ def test_single_allowed_is_the_only_set_bit(vocab, ids):
     allowed[[t for t in ids if t < vocab]] = True
     want = np.flatnonzero(allowed)
     assert single_allowed(pack_mask(allowed)) == (int(want[0]) if len(want) == 1 else None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4000), st.lists(st.integers(0, 3999), max_size=64), st.lists(st.integers(0, 3999), max_size=40))
+def test_allowed_among_is_mask_allows_in_order(vocab, ids, order):
+    """``allowed_among`` (the budget walk's preference orders against a row at once) against ``mask_allows`` per
+    id: the same ids, in the order given (sign bits of words included)."""
+    from specgrammar_plugins.masks import allowed_among
+
+    allowed = np.zeros(vocab, dtype=bool)
+    allowed[[t for t in ids if t < vocab]] = True
+    row = pack_mask(allowed)
+    order = np.asarray([t for t in order if t < vocab], dtype=np.int64)
+    assert allowed_among(row, order) == [int(t) for t in order if mask_allows(row, int(t))]

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from specgrammar_plugins import ConstraintSpec, compile_constraint
 from specgrammar_plugins.masks import new_mask, unpack_mask
@@ -32,7 +33,10 @@ def test_drafting_on_the_history_matcher_then_syncing_equals_a_fresh_sync():
     """``HistoryMatcher.draft()`` (the vLLM proposers' draft blocks: the history's own matcher, no fork): after
     drafts accepted on the view and a commit of some of them plus a token of the host's, ``sync`` leaves the
     matcher where a fresh matcher fed the committed tokens stands (same mask, same ``fed``), on xgrammar (vLLM's
-    default backend) and llguidance, stop tokens drafted and not committed included."""
+    default backend) and llguidance, stop tokens drafted and not committed included; ``sync_tail`` (only what
+    follows the last synced history compared and fed: what vLLM's proposers call) in every other round, and
+    refused (nothing changed) for a base past the last synced history; drafts rolled back on the view below it
+    lower it."""
     from specgrammar_plugins import workloads as W
     from specgrammar_plugins.masks import allowed_ids
     from specgrammar_plugins.models import tiny_tokenizer_info
@@ -65,6 +69,11 @@ def test_drafting_on_the_history_matcher_then_syncing_equals_a_fresh_sync():
                     assert view.accept(t)
                     drafts.append(t)
                 assert hm.fed == committed + drafts
+                if drafts and rng.random() < 0.2:  # some drafts taken back on the view (below synced, too)
+                    back = int(rng.integers(1, len(drafts) + 1))
+                    view.rollback(back)
+                    drafts = drafts[: len(drafts) - back]
+                    assert hm.synced <= len(hm.fed) == len(committed) + len(drafts)
                 keep = drafts[: int(rng.integers(0, len(drafts) + 1))]
                 probe = c.matcher()  # the host's own next token after the kept drafts
                 assert all(probe.accept(t) for t in committed + keep)
@@ -73,8 +82,16 @@ def test_drafting_on_the_history_matcher_then_syncing_equals_a_fresh_sync():
                     ids = [int(i) for i in allowed_ids(row, tok.vocab_size) if i not in tok.stop_token_ids] or \
                         [int(i) for i in allowed_ids(row, tok.vocab_size)]
                     keep = keep + [int(rng.choice(ids))]
-                committed = committed + keep
-                assert hm.sync(committed) and hm.fed == committed
+                prev, committed = len(committed), committed + keep
+                if rng.random() < 0.5:
+                    fed = list(hm.fed)
+                    with pytest.raises(ValueError):
+                        hm.sync_tail(prev + 1, keep[1:])
+                    assert hm.fed == fed
+                    assert hm.sync_tail(prev, keep) and hm.fed == committed
+                else:
+                    assert hm.sync(committed) and hm.fed == committed
+                assert hm.synced == len(committed)
                 fresh = c.matcher()
                 assert all(fresh.accept(t) for t in committed)
                 assert hm.matcher.is_terminated() == fresh.is_terminated()

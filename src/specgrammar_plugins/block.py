@@ -51,12 +51,23 @@ class DraftBlock:
 
     ``fit`` (``budget.Budget``): the request's budget feasibility; its cut is part of each row, made right after
     the grammar fills it (still one fill per position), so draft laws and target law read the same combined row.
-    ``fit_cut[i]``: whether it removed a token at position i."""
+    ``fit_cut[i]``: whether it removed a token at position i.
+
+    ``lazy``: for a host that verifies with masks of its own (vLLM builds every verification row itself), a
+    position's mask is filled only when something reads it (``mask()``, ``allows``).  A draft pushed where none was
+    read is checked by the matcher's own ``accept`` (the same verdict: a token the mask forbids is one the grammar
+    rejects) and leaves ``None`` as that position's row, so ``finish()`` is refused; the forced drafter first asks
+    the matcher's jump-forward string (``forced_hint``), which costs no [V]-wide fill.  At a 151,936-token
+    vocabulary a fill costs ~0.05-0.5 ms; most draft positions need none (a model draft the grammar accepts).
+    Not with ``fit`` or ``tilt_fn`` (their cut and tilt are part of each row)."""
 
     def __init__(self, context: Sequence[int], matcher: Matcher | None, vocab_size: int, budget: int,
                  stop_token_ids: Sequence[int] = (),
                  tilt_fn: Callable[[Sequence[int], Matcher | None], np.ndarray | None] | None = None,
-                 prompt_len: int = 0, free: int = 0, law=None, fit=None):
+                 prompt_len: int = 0, free: int = 0, law=None, fit=None, lazy: bool = False):
+        if lazy and (fit is not None or tilt_fn is not None):
+            raise ValueError("a lazy DraftBlock has no budget cut or tilt (both are part of every row)")
+        self.lazy = lazy and matcher is not None
         self.context = context  # committed tokens (prompt + emitted) before the block
         self.prompt_len = prompt_len  # tilt_fn sees the generated part: context[prompt_len:] + drafts
         self.matcher = matcher
@@ -112,6 +123,22 @@ class DraftBlock:
     def sequence(self) -> list[int]:
         return [*self.context, *self.tokens]
 
+    def has_mask(self) -> bool:
+        """Whether the current position's mask is filled (always, once asked for; a lazy block fills on demand)."""
+        return self.masks is not None and len(self.masks) > len(self.tokens)
+
+    def forced_hint(self) -> bytes | None:
+        """For a lazy block whose current mask is not filled: the matcher's jump-forward string, which is empty
+        where no byte is forced (then no token is: with a byte-complete vocabulary the only allowed token would be
+        a single byte every continuation starts with; ``tests/test_block.py`` holds this against the masks on
+        every engine that says ``jump_forward_complete``).  None where the mask is at hand, the block is not lazy or
+        the engine cannot tell: read the mask."""
+        if not self.lazy or len(self.masks) > len(self.tokens) or self.dead or self.closed:
+            return None
+        if not getattr(self.matcher, "jump_forward_complete", False):
+            return None  # its b"" may mean "cannot tell"
+        return self.matcher.jump_forward()
+
     def mask(self) -> np.ndarray | None:
         """The packed mask of the current position (None when unconstrained), computed once: the forced drafter,
         the draft laws and the target law all read this row."""
@@ -163,14 +190,22 @@ class DraftBlock:
         if self.done:
             return False
         token = int(token)
-        ok = self.allows(token)
-        if not ok and check:
-            return False
-        if self.matcher is not None and not self.dead:
-            if ok and self.matcher.accept(token):
-                self.matched += 1
-            else:
-                self.dead = True
+        if self.lazy and check and not self.dead and len(self.masks) == len(self.tokens):
+            # a lazy block's position whose mask nobody read: the matcher's own accept is the check
+            if not self.matcher.accept(token):
+                return False
+            self.matched += 1
+            self.masks.append(None)  # (not filled)
+            self.fit_cut.append(False)
+        else:
+            ok = self.allows(token)
+            if not ok and check:
+                return False
+            if self.matcher is not None and not self.dead:
+                if ok and self.matcher.accept(token):
+                    self.matched += 1
+                else:
+                    self.dead = True
         if source == "forced" and self.n_free < self.capacity - self.budget:
             self.n_free += 1  # the grammar's own token: it leaves the budget to drafts that may be rejected
         self.tokens.append(token)
@@ -182,6 +217,9 @@ class DraftBlock:
 
     def finish(self) -> tuple[list[np.ndarray] | None, list[np.ndarray | None] | None]:
         """Masks (and tilts) for all k+1 verification rows (the bonus position's mask is filled here)."""
+        if self.lazy and any(m is None for m in self.masks):
+            raise RuntimeError("a lazy DraftBlock has no mask for the positions it did not read (the host verifies "
+                               "with masks of its own)")
         n = len(self.tokens) + 1
         if self.matcher is None:
             if self.tilt_fn is None:

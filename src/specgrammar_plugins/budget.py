@@ -52,7 +52,7 @@ from .cost import RegularCost, _Scan, regular_form
 from .engines._common import GreedyBytes, PerTokenizerCache
 from .errors import BudgetError
 from .history import HistoryMatcher
-from .masks import clear_bit, mask_allows, mask_words, pack_mask
+from .masks import allowed_among, clear_bit, mask_allows, mask_words, pack_mask
 from .schema_rewrite import FORMAT_PATTERNS
 from .tokenizer import TokenizerInfo
 
@@ -298,14 +298,20 @@ class _WalkVocab:
         single = {b[0]: i for i, b in enumerate(tok.token_bytes)
                   if len(b) == 1 and i not in tok.special_ids and i not in stops}
         order = list(_PRIORITY) + [b for b in range(256) if b not in _PRIORITY and b not in _WHITESPACE]
-        self.prefer = [single[b] for b in order if b in single]
-        self.prefer_in_string = [single[b] for b in [0x22, *[b for b in order if b != 0x22]] if b in single]
+        # (int64 arrays: the walk tests each order against a row at once, masks.allowed_among)
+        self.prefer = _ids([single[b] for b in order if b in single])
+        self.prefer_in_string = _ids([single[b] for b in [0x22, *[b for b in order if b != 0x22]] if b in single])
         # inside a number: its end first, then a non-zero digit (0.000... is longer than 0.1 or 1)
         ends = b'}],"123456789'
-        self.prefer_after_digit = [single[b] for b in [*ends, *[b for b in order if b not in ends]] if b in single]
+        self.prefer_after_digit = _ids([single[b] for b in [*ends, *[b for b in order if b not in ends]]
+                                        if b in single])
         self.digits = frozenset(single[b] for b in b"0123456789" if b in single)
         self.enders = [single[b] for b in b'}],' if b in single] + [t for t in stops if t < tok.vocab_size]
         self.blanks = [single[b] for b in _WHITESPACE if b in single]
+
+
+def _ids(ids: list[int]) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int64)
 
 
 _VOCABS = PerTokenizerCache(_WalkVocab)
@@ -439,7 +445,7 @@ class CertifiedBudget(Budget):
                     if all(g.accept(t) for t in ids):
                         return ids
         if scan.in_str:  # the closing quote, else the least used allowed byte so far (a pattern's next part)
-            allowed = [t for t in self.prefer_in_string if mask_allows(row, t)]
+            allowed = allowed_among(row, self.prefer_in_string)
             if allowed and allowed[0] == self.prefer_in_string[0]:
                 return [allowed[0]]
             cur = bytes(scan.str_buf)
@@ -455,7 +461,7 @@ class CertifiedBudget(Budget):
                 return [min(allowed, key=lambda t: used.get(t, 0))]
         else:  # the closers, then the shortest values; after a digit the number's end before more digits
             order = self.prefer_after_digit if chr(scan.last).isdigit() or scan.last == 0x2E else self.prefer
-            allowed = [t for t in order if mask_allows(row, t)]
+            allowed = allowed_among(row, order)
             if allowed:
                 digits = [t for t in allowed if t in self.digits]
                 if allowed[0] in self.digits and used.get(allowed[0], 0) >= 8:  # 0.000... going nowhere

@@ -164,7 +164,9 @@ class Matcher(Protocol):
 
     def jump_forward(self) -> bytes:
         """The bytes every continuation from here starts with (b"" when none, or when the engine cannot tell);
-        may end inside a UTF-8 sequence.  The forced drafter asks for it where the single-token walk ends."""
+        may end inside a UTF-8 sequence.  The forced drafter asks for it where the single-token walk ends.
+        An engine whose b"" always means "no byte is forced" says so with a class attribute
+        ``jump_forward_complete = True`` (read with ``getattr``: absent means it cannot tell)."""
 
     def accept_bytes(self, data: bytes) -> bool:
         """Advance by raw bytes (used when a trigger completes mid-token); False if rejected (state unchanged)."""

@@ -40,16 +40,25 @@ def whole_utf8(data: bytes) -> str:
 class ForcedDrafter:
     """Tokens the grammar forces next, read off the block's own masks (a position whose mask allows one token, never
     a stop token), then, where that walk ends, the tokenized jump-forward string (one-hot drafts).  Fills no mask
-    of its own: every mask it reads is the block's, which the draft laws and the target law reuse."""
+    of its own: every mask it reads is the block's, which the draft laws and the target law reuse.
+
+    ``byte_complete`` (the tokenizer's ``TokenizerInfo.byte_complete``): on a lazy block (``DraftBlock.lazy``) whose
+    mask nobody has read yet the matcher's jump-forward string is asked first, and where it is empty nothing is
+    forced and no mask is filled (with a vocabulary that has every byte as a token, one allowed token means a forced
+    byte).  Without it the mask is read as on any block."""
 
     name = "forced"
 
-    def __init__(self, encode: Callable[[str], list[int]] | None = None):
+    def __init__(self, encode: Callable[[str], list[int]] | None = None, *, byte_complete: bool = False):
         self.encode = encode
+        self.byte_complete = byte_complete
 
     def extend(self, block: DraftBlock, budget: int) -> int:
         if block.matcher is None or budget <= 0 or block.dead:
             return 0
+        hint = block.forced_hint() if self.byte_complete else None
+        if hint is not None and not hint:
+            return 0  # no byte forced here, so no token (lazy block: no mask filled)
         n = 0
         while n < budget and not block.done:
             t = single_allowed(block.mask())
@@ -63,7 +72,7 @@ class ForcedDrafter:
         # 'age' '":' by the model), so a draft of it would be rejected: propose the others.  Forced bytes may end
         # inside a UTF-8 sequence (the branch point of "👍"/"👎"): only whole characters are tokenized, never a
         # partial sequence decoded
-        text = whole_utf8(block.matcher.jump_forward())
+        text = whole_utf8(hint if hint is not None else block.matcher.jump_forward())
         for t in (self.encode(text)[:-1] if text else [])[:budget]:
             if not block.push(t, None, "forced"):
                 break

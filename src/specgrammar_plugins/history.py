@@ -29,6 +29,9 @@ class HistoryMatcher:
         self.matcher = compiled.matcher()
         self.vocab_size = compiled.tokenizer.vocab_size
         self.fed: list[int] = []  # tokens the matcher has accepted, in order
+        # fed[:synced] is a prefix of the history the last successful sync brought it to (every cut of fed keeps
+        # it so): what sync_tail may take as compared
+        self.synced = 0
         self._row = new_mask(self.vocab_size)
         self._free = None
 
@@ -40,11 +43,34 @@ class HistoryMatcher:
         if len(fed) > lcp:
             self.matcher.rollback(len(fed) - lcp)
             del fed[lcp:]
+            self.synced = min(self.synced, lcp)
         for t in generated[lcp:]:
             t = int(t)
             if self.matcher.is_terminated() or not self.matcher.accept(t):
                 return False
             fed.append(t)
+        self.synced = len(generated)
+        return True
+
+    def sync_tail(self, base: int, tail: Sequence[int]) -> bool:
+        """``sync`` to the first ``base`` tokens of the last synced history plus ``tail``, without comparing that
+        part again (O(len(tail)) instead of O(history)): for a host whose history only grows between calls (vLLM's
+        committed tokens, step after step).  False as ``sync``: the tail holds a token the grammar rejects.
+        ``base`` must not pass ``synced`` (ValueError: the caller syncs the whole history instead)."""
+        fed = self.fed
+        if base > self.synced:
+            raise ValueError(f"sync_tail from {base} tokens, past the {self.synced} compared before")
+        lcp = base + common_prefix_len(fed[base:base + len(tail)], tail)
+        if len(fed) > lcp:
+            self.matcher.rollback(len(fed) - lcp)
+            del fed[lcp:]
+            self.synced = min(self.synced, lcp)
+        for t in tail[lcp - base:]:
+            t = int(t)
+            if self.matcher.is_terminated() or not self.matcher.accept(t):
+                return False
+            fed.append(t)
+        self.synced = base + len(tail)
         return True
 
     def draft(self) -> "DraftView":
@@ -77,10 +103,11 @@ class DraftView:
     ``fed`` list; every other method is the matcher's own (bound once: a block asks at every position).  Drafts are
     tokens, so ``accept_bytes`` is refused (bytes merged into a position would not be in ``fed``)."""
 
-    __slots__ = ("_m", "_fed", "vocab_size", "fill_mask", "is_terminated", "forced", "jump_forward", "fork")
+    __slots__ = ("_m", "_h", "_fed", "vocab_size", "fill_mask", "is_terminated", "forced", "jump_forward", "fork")
 
     def __init__(self, history: HistoryMatcher):
         m = self._m = history.matcher
+        self._h = history
         self._fed = history.fed
         self.vocab_size = history.vocab_size
         self.fill_mask = m.fill_mask
@@ -99,9 +126,15 @@ class DraftView:
         if n > 0:
             self._m.rollback(n)
             del self._fed[-n:]
+            h = self._h
+            h.synced = min(h.synced, len(self._fed))
 
     def accept_bytes(self, data: bytes) -> bool:
         raise NotImplementedError("a draft view takes tokens only (HistoryMatcher.draft)")
+
+    @property
+    def jump_forward_complete(self) -> bool:
+        return getattr(self._m, "jump_forward_complete", False)
 
 
 class RequestBoundary:

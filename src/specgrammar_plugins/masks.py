@@ -39,6 +39,13 @@ def mask_allows(mask: np.ndarray, token: int) -> bool:
     return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
 
 
+def allowed_among(mask: np.ndarray, ids: np.ndarray) -> list[int]:
+    """The ids of ``ids`` (int64 array, each below the row's width) that the packed row allows, in their order:
+    one vectorized test instead of ``mask_allows`` per id."""
+    words = mask.view(np.uint32)[ids >> 5]
+    return ids[((words >> (ids & 31).astype(np.uint32)) & 1).astype(bool)].tolist()
+
+
 def clear_bit(mask: np.ndarray, token: int) -> None:
     """Disallow ``token`` in a packed row, in place."""
     mask.view(np.uint32)[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)

@@ -97,6 +97,18 @@ class TokenizerInfo:
             object.__setattr__(self, slot, fp)
         return fp
 
+    @property
+    def byte_complete(self) -> bool:
+        """Whether every single byte is a token of its own (neither special nor a stop token): then any byte a
+        grammar allows next is an allowed token, so a position that allows one token only is one whose next byte
+        is forced (``DraftBlock.forced_hint``).  Byte-level BPE vocabularies are; cached."""
+        v = self.__dict__.get("_byte_complete")
+        if v is None:
+            skip = self.special_ids | frozenset(self.stop_token_ids)
+            v = len({b for i, b in enumerate(self.token_bytes) if len(b) == 1 and i not in skip}) == 256
+            object.__setattr__(self, "_byte_complete", v)
+        return v
+
     def with_vocab_size(self, vocab_size: int) -> "TokenizerInfo":
         """The same tokenizer with masks padded to another model's output width."""
         if vocab_size == self.vocab_size:

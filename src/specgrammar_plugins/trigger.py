@@ -159,6 +159,11 @@ class TriggeredMatcher:
         return self.inner.jump_forward() if self.inner is not None else b""
 
     @property
+    def jump_forward_complete(self) -> bool:
+        # before the trigger the text is free: nothing is forced, and b"" says so
+        return self.inner is None or getattr(self.inner, "jump_forward_complete", False)
+
+    @property
     def active(self) -> bool:
         """True once the trigger has been generated and the grammar constrains."""
         return self.inner is not None

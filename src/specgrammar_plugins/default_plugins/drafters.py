@@ -8,7 +8,9 @@ from ..recipes import MissLog, load_pack, server_suffix_index
 
 
 def _forced(ctx):
-    return ForcedDrafter(ctx.tokenizer.encode if ctx.tokenizer is not None else None)
+    tok = ctx.tokenizer
+    return ForcedDrafter(tok.encode if tok is not None else None,
+                         byte_complete=tok is not None and tok.byte_complete)
 
 
 def _model(ctx):

@@ -196,6 +196,7 @@ class LLGuidanceMatcher:
     """One walk through an llguidance grammar."""
 
     __slots__ = ("compiled", "tok", "vocab_size", "m", "book", "_words")
+    jump_forward_complete = True  # compute_ff_bytes: b"" where no byte is forced (tests/test_block.py)
 
     def __init__(self, compiled: CompiledConstraint, m, book: StepBook):
         self.compiled = compiled

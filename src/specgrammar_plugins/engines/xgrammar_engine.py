@@ -164,6 +164,9 @@ class XGrammarMatcher:
     """One walk through an xgrammar ``CompiledGrammar``."""
 
     __slots__ = ("compiled", "tok", "vocab_size", "gm", "book", "ed")
+    # b"" from find_jump_forward_string means no byte is forced, except where the forced bytes end inside a UTF-8
+    # sequence (jump_forward then says b"": a forced token is then missed, never invented); tests/test_block.py
+    jump_forward_complete = True
 
     def __init__(self, compiled: CompiledConstraint, gm, book: StepBook, ed: list[bool] | None = None):
         self.compiled = compiled
@@ -194,6 +197,11 @@ class XGrammarMatcher:
 
     def accept(self, token: int) -> bool:
         if self.book.terminated or not (0 <= token < len(self.tok.token_bytes)):
+            return False
+        if not self.tok.token_bytes[token] and token not in self.tok.stop_token_ids:
+            # a special token: never in the grammar's language.  xgrammar 0.2.8 would refuse it too, but writes a
+            # warning to stderr for each ("GrammarMatcher cannot accept special token id ..."), ~10 us; a draft
+            # model's argmax offered to a lazy draft block (vLLM) may be one at any position
             return False
         if self.ed[-1] and 0xA0 <= (self.tok.token_bytes[token][:1] or b"\0")[0] <= 0xBF:
             return False  # a surrogate (see _NO_SURROGATE)
