@@ -126,30 +126,39 @@ def test_argmax_drafts_mask_only_the_rows_whose_argmax_the_grammar_rejects(runs)
     assert c["draft_rows_unmasked"] > 0 and c["draft_rows_masked"] > 0, c
 
 
-def test_lazy_masking_equals_the_masked_argmax_row_for_row():
+@pytest.mark.parametrize("vocab,ties", [(1000, 6), (1000, None), (9000, 6), (9000, None)])
+def test_lazy_masking_equals_the_masked_argmax_row_for_row(vocab, ties):
     """``_lazy`` against masking every row and taking the argmax (what the probabilistic path does): random
-    logits with many ties, a vocabulary that ends inside a mask word, host drafts, grammar rows that allow or
-    reject the unmasked argmax (some with every allowed logit -inf, or a NaN among them), rows without a grammar.  Token for token equal, and only the rejected rows are masked."""
+    logits (small integers, ties everywhere, or continuous), a vocabulary that ends inside a mask word, host
+    drafts, grammar rows on lazy blocks that allow or reject the unmasked argmax (some with every allowed logit
+    -inf, or a NaN among them), rows without a grammar; a vocabulary the kernel masks and one wide enough for the
+    CPU's allowed-ids argmax (``CPU_KERNEL_MAX_VOCAB``).  Token for token equal, each grammar row's block holds its
+    token, only the rejected rows are masked, and a block whose argmax the grammar allows never fills a mask."""
     import numpy as np
     import torch
 
-    from specgrammar_plugins.api import mask_words
+    from specgrammar_plugins.api import DraftBlock, mask_words
+    from specgrammar_plugins.testing import TableMatcher
     from specgrammar_vllm.draft_proposer import GrammarDraftProposer, _Plan
 
-    vocab, rows = 1000, 9
+    rows = 9
     counters = {"draft_rows_unmasked": 0, "draft_rows_masked": 0}
-    fake = SimpleNamespace(_vocab=vocab, grammar=SimpleNamespace(counters=counters),
-                           _bitmask=torch.empty((rows, mask_words(vocab)), dtype=torch.int32))
-    fake._bitmask_np = fake._bitmask.numpy()
-    fake._apply = lambda logits, n: GrammarDraftProposer._apply(fake, logits, n)
-    fake._allowed_argmax = lambda *a: GrammarDraftProposer._allowed_argmax(fake, *a)
+    prop = object.__new__(GrammarDraftProposer)
+    prop._vocab = vocab
+    prop.grammar = SimpleNamespace(counters=counters)
+    prop._bitmask = torch.empty((rows, mask_words(vocab)), dtype=torch.int32)
+    prop._bitmask_np = prop._bitmask.numpy()
+    full = np.full(mask_words(vocab), -1, dtype=np.int32)
     rng = np.random.default_rng(7)
     rejected = 0
     for _ in range(300):
-        logits = torch.from_numpy(rng.integers(0, 6, size=(rows, vocab)).astype(np.float32))  # ties everywhere
+        if ties:
+            logits = torch.from_numpy(rng.integers(0, ties, size=(rows, vocab)).astype(np.float32))
+        else:
+            logits = torch.from_numpy(rng.standard_normal((rows, vocab)).astype(np.float32))
         plain_argmax = logits.argmax(dim=-1).tolist()
         plan, want = _Plan(), np.full((rows, mask_words(vocab)), -1, dtype=np.int32)
-        grammar_rows = {}
+        grammar_rows, blocks = {}, [None] * rows
         for i in range(rows):
             kind = rng.integers(0, 3)
             if kind == 0:  # a host draft: the argmax of its one-hot row
@@ -169,17 +178,24 @@ def test_lazy_masking_equals_the_masked_argmax_row_for_row():
                 grammar_rows[i] = allowed
                 bits = np.concatenate([allowed, np.zeros(mask_words(vocab) * 32 - vocab, dtype=bool)])
                 row = np.packbits(bits, bitorder="little").view(np.int32)
-                plan.masked.append((i, row))
+                blocks[i] = DraftBlock([1], TableMatcher([row, full], vocab), vocab, 4, lazy=True)
+                plan.model.append(i)
                 want[i] = row
         final_argmax = logits.argmax(dim=-1).tolist()
         rejected += sum(not allowed[final_argmax[i]] for i, allowed in grammar_rows.items())
         masked = logits.clone()
-        fake._bitmask_np[:rows] = want
-        GrammarDraftProposer._apply(fake, masked, rows)
+        prop._bitmask_np[:rows] = want
+        GrammarDraftProposer._apply(prop, masked, rows)
         expected = masked.argmax(dim=-1).tolist()
         before = logits.clone()
-        tokens, toks = GrammarDraftProposer._lazy(fake, logits, plan)
+        step_rows = [SimpleNamespace(block=b) for b in blocks]
+        tokens, toks = prop._lazy(logits, plan, step_rows)
         assert toks == expected and tokens.tolist() == expected
+        for i, b in enumerate(blocks):
+            if b is not None:
+                allowed = grammar_rows[i]
+                assert b.tokens == [expected[i]] or (not allowed[expected[i]] and b.closed)
+                assert b.mask_fills == (0 if allowed[final_argmax[i]] else 1)
         assert torch.equal(logits.nan_to_num(), before.nan_to_num())  # the draft's logits are left as they were
     assert counters["draft_rows_masked"] == rejected > 0 and counters["draft_rows_unmasked"] > 0
 

@@ -13,16 +13,19 @@ at :630, :651 and :762):
 
     logits = draft model's logits of the step's rows            [B, V], on vLLM's device
     per row: the host chain first (forced tokens, jump-forward strings, recipe packs: ``GrammarStates``; once per
-             block length), then the request's grammar mask at that position (``DraftBlock.mask``: one matcher
-             fill, reused)
+             block length) on a lazy ``DraftBlock``: a position's [V]-wide mask is filled only where something
+             reads it (the forced drafter asks the matcher's jump-forward string first and reads the mask only
+             where a byte is forced)
     argmax drafts (greedy, or vLLM's default ``draft_sample_method="greedy"``): the unmasked argmax, one copy to
-             the host; a host draft replaces its row's token; only the rows whose argmax the grammar rejects get
-             their mask applied and their argmax taken again (``_lazy``: the same tokens as masking every row)
-    sampled drafts: bitmask [B, V/32] (the host draft's one-hot row, else the grammar's row, else all ones: no
-             grammar, drafts as vLLM's own) -> one H2D copy, xgrammar's ``apply_token_bitmask_inplace`` (the
-             kernel vLLM's structured outputs mask the target with), then vLLM's own draft sampler
-             (``_sample_from_logits``: the temperature law of the masked logits, whose probs vLLM keeps)
-    tokens -> host (one sync per position), pushed onto each request's block (the next position's mask)
+             the host; a host draft replaces its row's token; each model row's argmax is offered to its block,
+             whose matcher takes it or refuses it without a mask; only the refused rows get their mask filled
+             and their masked argmax taken (``_lazy``: the same tokens as masking every row)
+    sampled drafts: every model row's mask filled; bitmask [B, V/32] (the host draft's one-hot row, else the
+             grammar's row, else all ones: no grammar, drafts as vLLM's own) -> one H2D copy, xgrammar's
+             ``apply_token_bitmask_inplace`` (the kernel vLLM's structured outputs mask the target with), then
+             vLLM's own draft sampler (``_sample_from_logits``: the temperature law of the masked logits, whose
+             probs vLLM keeps)
+    tokens -> host (one sync per position), pushed onto each request's block
 
 So a host draft is a one-hot proposal law (vLLM accepts it with q(d) and resamples from q without d), a model draft
 is drawn from the masked law softmax(mask(logits) / T), and the probabilities vLLM verifies with are those of the
@@ -56,6 +59,10 @@ from specgrammar_plugins.api import allowed_ids, fill, mask_allows, mask_words, 
 from .proposer import GrammarStates
 
 log = logging.getLogger("vllm.specgrammar")
+# On a CPU, rows this wide or narrower are masked by the kernel and others by their allowed ids (_masked_argmax):
+# measured per rejected row, the kernel 21 us at 1,024 tokens and 1.4 ms at 151,936, the allowed-ids argmax
+# 68 us and 0.2 ms (2-core AMD EPYC, torch 2.13 CPU, xgrammar 0.2.8); they cross near 8,192
+CPU_KERNEL_MAX_VOCAB = 8192
 
 
 def why_not_grammar(vllm_config, runner) -> str | None:
@@ -111,13 +118,15 @@ class _Step:
 
 
 class _Plan:
-    """One draft position's rows (``GrammarDraftProposer._plan``): ``host`` (row, host draft), ``masked`` (row, the
-    grammar's packed mask for the model's draft), ``known``: every row's token when no row needs the model there."""
+    """One draft position's rows (``GrammarDraftProposer._plan``): ``host`` (row, host draft), ``model`` (the rows
+    whose draft the model makes under their grammar), ``masked`` (row, its filled packed mask: sampled drafts only,
+    which need every such row masked), ``known``: every row's token when no row needs the model there."""
 
-    __slots__ = ("host", "masked", "known")
+    __slots__ = ("host", "model", "masked", "known")
 
     def __init__(self):
         self.host: list[tuple[int, int]] = []
+        self.model: list[int] = []
         self.masked: list[tuple[int, np.ndarray]] = []
         self.known: list[int] | None = None
 
@@ -198,13 +207,13 @@ class GrammarDraftProposer(DraftModelProposer):
         num_rows = hidden_states.shape[0]
         g = self.grammar
         t0 = time.perf_counter_ns()
+        probabilistic = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
         try:
-            plan = self._plan(step, num_rows)
+            plan = self._plan(step, num_rows, fill=probabilistic)
         except Exception as e:  # the rest of this step drafts as vLLM's own (still verified: exact)
             g.fault("masking a draft position", e)
             self._end_grammar(step)
             plan = None
-        probabilistic = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
         t1 = time.perf_counter_ns()
         apply_ns = 0
         toks = None  # the position's tokens on the host, where this method already has them
@@ -218,7 +227,7 @@ class GrammarDraftProposer(DraftModelProposer):
                 probs.scatter_(1, tokens.view(-1, 1), 1.0)
         else:
             logits = self.model.compute_logits(hidden_states)
-            if plan is None or not (plan.host or plan.masked):
+            if plan is None or not (plan.host or plan.model):
                 pass  # no grammar row here: vLLM's own draws
             elif probabilistic:  # the masked law's probabilities are verified with: every row masked
                 a0 = time.perf_counter_ns()
@@ -227,7 +236,7 @@ class GrammarDraftProposer(DraftModelProposer):
             else:  # argmax drafts: masks only where the grammar rejects the unmasked argmax (_lazy)
                 am = logits.argmax(dim=-1)  # vLLM's own draft (not counted as ours)
                 a0 = time.perf_counter_ns()
-                tokens, toks = self._lazy(logits, plan, am)
+                tokens, toks = self._lazy(logits, plan, step.rows, am)
                 apply_ns = time.perf_counter_ns() - a0
             # vLLM's own draft sampling (llm_base_proposer.py:478-509), on the masked logits
             if toks is not None:
@@ -255,64 +264,83 @@ class GrammarDraftProposer(DraftModelProposer):
             raise _EnoughDrafts
         return tokens, probs
 
-    def _lazy(self, logits, plan: "_Plan", am=None):
-        """Argmax drafts under the grammar without masking every row: the unmasked argmax of a row whose grammar
+    def _lazy(self, logits, plan: "_Plan", rows, am=None):
+        """Argmax drafts under the grammar without masking every row.  The unmasked argmax of a row whose grammar
         allows it is the masked argmax too (masking only lowers other entries to -inf, and ``argmax`` takes the
-        first maximum, which is then the first allowed one), so only the rows whose argmax the grammar rejects
-        get their mask applied and their argmax taken again; a row with a host draft takes that token (the
-        argmax of its one-hot mask).  Exact, token for token, and at a large vocabulary most rows skip the
-        [V]-wide mask, its host-to-device copy and the masking kernel (on a CPU a rejected row's argmax is taken
-        over its allowed ids: ``_allowed_argmax``).  ``am``: the unmasked argmax when the caller has it.  Returns (tokens [B] on the logits' device, the same as a list)."""
+        first maximum, which is then the first allowed one), so each model row's argmax is offered to its block
+        first: on a lazy block (``DraftBlock.lazy``) the matcher's own ``accept`` checks and takes it, with no
+        [V]-wide mask filled at all.  Only a row whose argmax the grammar rejects has its mask filled and its
+        masked argmax found (``_masked_argmax``); a row with a host draft takes that token (the argmax of its
+        one-hot mask).  Exact, token for token, against masking every row.  The model's tokens are pushed onto
+        their blocks here (``_advance`` then only counts).  ``am``: the unmasked argmax when the caller has it.
+        Returns (tokens [B] on the logits' device, the same as a list)."""
         if am is None:
             am = logits.argmax(dim=-1)
         toks = am.tolist()
         vocab = self._vocab
-        fix = []
-        for i, row in plan.masked:
-            t = toks[i]
-            if t >= vocab or not mask_allows(row, t):
-                fix.append((i, row))
-        c = self.grammar.counters
-        c["draft_rows_unmasked"] += len(plan.masked) - len(fix)
-        c["draft_rows_masked"] += len(fix)
-        changed = bool(fix)
+        changed = False
         for i, t in plan.host:
             if toks[i] != t:
                 toks[i] = t
                 changed = True
-        if fix and logits.device.type == "cpu":  # each row's argmax over its allowed ids (_allowed_argmax)
-            fix = [(i, row) for i, row in fix if not self._allowed_argmax(logits, i, row, toks)]
+        fix = []
+        for i in plan.model:
+            t = toks[i]
+            if t >= vocab or not rows[i].block.push(t, None, "model"):
+                fix.append(i)
+        c = self.grammar.counters
+        c["draft_rows_unmasked"] += len(plan.model) - len(fix)
+        c["draft_rows_masked"] += len(fix)
         if fix:
-            bm = self._bitmask_np
-            for n, (_i, row) in enumerate(fix):
-                bm[n] = row
-            idx = torch.tensor([i for i, _ in fix], dtype=torch.int64).to(logits.device, non_blocking=True)
-            sub = logits.index_select(0, idx)
-            self._apply(sub, len(fix))
-            for (i, _), t in zip(fix, sub.argmax(dim=-1).tolist()):
+            items = [(i, rows[i].block.mask()) for i in fix]
+            for i, t in zip(fix, self._masked_argmax(logits, items)):
                 toks[i] = t
+                if not rows[i].block.push(t, None, "model"):  # (nothing allowed there: cannot happen for a
+                    rows[i].block.closed = True  # live grammar) no more drafts for it
+            changed = True
         if not changed:
             return am, toks
         return torch.tensor(toks, dtype=am.dtype).to(logits.device, non_blocking=True), toks
 
-    def _allowed_argmax(self, logits, i: int, row: np.ndarray, toks: list) -> bool:
-        """On a CPU: ``toks[i]`` = the masked argmax of row ``i`` taken over its allowed ids alone (ascending, so the
-        first maximum is the kernel's; ids past the vocabulary, which the kernel leaves unmasked, included): at
-        151,936 tokens ~10x cheaper than masking the row.  False (nothing set) where the kernel must decide: no
-        allowed id, or none with a finite logit above -inf."""
+    def _masked_argmax(self, logits, items: list) -> list[int]:
+        """The argmax of each row ``i`` of ``logits`` masked by its packed ``row`` (``items``: (i, row)), as the
+        masking kernel then ``argmax`` give it (disallowed ids below the vocabulary at -inf, the first maximum).
+        On a CPU with a vocabulary wider than ``CPU_KERNEL_MAX_VOCAB`` each row's argmax is taken over its allowed
+        ids alone (``_allowed_argmax``); every other row goes through the kernel, all in one call."""
+        out: list = [None] * len(items)
+        rest = list(range(len(items)))
+        if logits.device.type == "cpu" and self._vocab > CPU_KERNEL_MAX_VOCAB:
+            for n, (i, row) in enumerate(items):
+                out[n] = self._allowed_argmax(logits, i, row)
+            rest = [n for n, t in enumerate(out) if t is None]
+        if rest:  # the kernel (the one vLLM's structured outputs mask the target with) on those rows
+            bm = self._bitmask_np
+            for j, n in enumerate(rest):
+                bm[j] = items[n][1]
+            idx = torch.tensor([items[n][0] for n in rest], dtype=torch.int64).to(logits.device, non_blocking=True)
+            sub = logits.index_select(0, idx)
+            self._apply(sub, len(rest))
+            for n, t in zip(rest, sub.argmax(dim=-1).tolist()):
+                out[n] = t
+        return out
+
+    def _allowed_argmax(self, logits, i: int, row: np.ndarray) -> int | None:
+        """On a CPU: the masked argmax of row ``i`` taken over its allowed ids alone (ascending, so the first
+        maximum is the kernel's; ids past the vocabulary, which the kernel leaves unmasked, included): at 151,936
+        tokens ~7x cheaper than the kernel on the row.  None where the kernel must decide: no allowed id, or none
+        with a logit above -inf."""
         vocab = self._vocab
         ids = allowed_ids(row, vocab)
         width = logits.shape[-1]
         if width > vocab:
             ids = np.concatenate([ids, np.arange(vocab, width)])
         if not len(ids):
-            return False
+            return None
         vals = logits[i].index_select(0, torch.from_numpy(ids))
         j = int(vals.argmax())  # (a NaN is the maximum here as after the kernel: the first allowed NaN either way)
         if float(vals[j]) == float("-inf"):  # every allowed logit -inf: the masked row's argmax is the row's first id
-            return False
-        toks[i] = int(ids[j])
-        return True
+            return None
+        return int(ids[j])
 
     def _apply(self, logits, num_rows: int) -> None:
         """Mask ``logits`` [num_rows, V] in place with the pinned bitmask's first ``num_rows`` rows (one H2D copy,
@@ -366,10 +394,11 @@ class GrammarDraftProposer(DraftModelProposer):
                 rows.append(_Row(req_id, None, None))
         return _Step(rows, k)
 
-    def _plan(self, step: _Step, num_rows: int) -> "_Plan":
-        """Each row's draft at position ``step.pos``: a host draft (the chain runs first), the grammar's mask
-        for the model's draft, or nothing of ours (no grammar: the model drafts as vLLM's; past a request's drafts:
-        padding, cut by ``_finish``)."""
+    def _plan(self, step: _Step, num_rows: int, fill: bool = False) -> "_Plan":
+        """Each row's draft at position ``step.pos``: a host draft (the chain runs first), a model draft under the
+        row's grammar (``fill``: its mask filled now, for sampled drafts; argmax drafts fill only the rows whose
+        argmax the grammar rejects, in ``_lazy``), or nothing of ours (no grammar: the model drafts as vLLM's; past
+        a request's drafts: padding, cut by ``_finish``)."""
         j = step.pos
         rows = step.rows
         plan = _Plan()
@@ -391,11 +420,13 @@ class GrammarDraftProposer(DraftModelProposer):
                     if known is not None:
                         known[i] = t
                 elif not b.done:
-                    row = b.mask()
-                    if not np.count_nonzero(row):  # nothing allowed (cannot happen for a live grammar): stop drafting here
-                        b.closed = True
-                        continue
-                    plan.masked.append((i, row))
+                    if fill:
+                        row = b.mask()
+                        if not np.count_nonzero(row):  # nothing allowed (cannot happen for a live grammar)
+                            b.closed = True
+                            continue
+                        plan.masked.append((i, row))
+                    plan.model.append(i)
                     known = None
                 # else: past the request's drafts (e.g. the grammar is complete): padding
             except Exception as e:
@@ -406,8 +437,9 @@ class GrammarDraftProposer(DraftModelProposer):
         return plan
 
     def _advance(self, step: _Step, tokens: list[int]) -> None:
-        """Push the model's draft of position ``step.pos`` onto each block that did not have a host draft there,
-        and count the positions where the drafted token is the block's."""
+        """Push the model's draft of position ``step.pos`` onto each block that has no token there yet (a host
+        draft, or an argmax draft ``_lazy`` pushed, has), and count the positions where the drafted token is the
+        block's."""
         j = step.pos
         for i, r in enumerate(step.rows):
             b = r.block if r is not None else None

@@ -254,19 +254,27 @@ class GrammarStates:
                     "max_tokens (vLLM samples the target's tokens without a budget mask): %s", reason)
 
     def begin(self, st: _RequestState, context: np.ndarray, n: int, k: int | None = None) -> DraftBlock | None:
-        """The request's draft block for this step, on a fork of its matcher synced to ``context[:n]`` (the
-        committed tokens), or None when it gets no grammar drafts (no grammar, grammar complete, no room)."""
-        if st.history is None:
+        """The request's draft block for this step, on its history's own matcher synced to ``context[:n]`` (the
+        committed tokens; a lazy block: vLLM verifies with masks of its own), or None when it gets no grammar
+        drafts (no grammar, grammar complete, no room)."""
+        h = st.history
+        if h is None:
             return None
-        generated = context[st.prompt_len:n].tolist()
-        if not st.history.sync(generated):
+        # committed tokens only grow: compare and feed only what follows the last synced history (its last token
+        # checked), the whole history otherwise (a new request, a preempted one recomputed)
+        p, base = st.prompt_len, h.synced
+        if 0 < base <= len(h.fed) and p + base <= n and h.fed[base - 1] == context[p + base - 1]:
+            ok = h.sync_tail(base, context[p + base:n].tolist())
+        else:
+            ok = h.sync(context[p:n].tolist())
+        if not ok:
             # The history holds a token our matcher rejects.  After the grammar's stop token this is vLLM's bonus
             # token past the end of a finishing request (the scheduler cuts it at the stop token): benign.
             # Anything else means our grammar and vLLM's disagree: never draft for this request again.
             if not st.history.matcher.is_terminated():
                 self.counters["invalid_history"] += 1
                 log.warning("specgrammar: committed tokens outside the grammar (fed ...%s, history ...%s); "
-                            "no more drafts for this request", st.history.fed[-8:], generated[-8:])
+                            "no more drafts for this request", st.history.fed[-8:], context[max(p, n - 8):n].tolist())
                 st.history = None
             return None
         m = st.history.matcher
@@ -276,8 +284,8 @@ class GrammarStates:
         if budget <= 0:
             return None
         # the history's own matcher, not a fork (O(tokens so far) on xgrammar): the next sync rolls back the drafts
-        # vLLM did not commit
-        return DraftBlock(context[:n], st.history.draft(), self.vocab_size, budget, st.stop_ids)
+        # vLLM did not commit; lazy: a position's mask is filled only where something reads it
+        return DraftBlock(context[:n], st.history.draft(), self.vocab_size, budget, st.stop_ids, lazy=True)
 
     def record(self, st: _RequestState, req_id: str, tokens: Sequence[int], sources: Sequence[str]) -> None:
         """Count the drafts proposed for a request at this step (its outcome is seen at the next one)."""

@@ -44,6 +44,8 @@ import tempfile
 import time
 from typing import Sequence
 
+from .coverage import DATA
+
 METHODS = ("plain", "grammar", "grammar_recipe", "grammar_model", "grammar_chain", "draft_model", "ngram")
 JSB = "jsonschemabench"
 PHASES = ("step", "forward", "sample", "draft", "vllm_grammar", "draft_forward")
@@ -160,7 +162,10 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     from specgrammar_vllm.offline import metrics_delta, proposer_of, runner_of, spec_metrics
 
     llm = _engine(method, k, draft_sample, max_num_seqs)
-    names = [*workloads, *([JSB] if schemas else [])]
+    names = [*workloads, *([JSB] if schemas and jsb_examples(1) else [])]
+    if schemas and JSB not in names:
+        print(f"bench vllm_host: no schemas from {DATA / 'jsonschemabench' / 'dev'} (absent?); {JSB} skipped",
+              file=sys.stderr)
     for w in names:  # warm-up: grammars compiled (vLLM's and ours), caches filled, before anything is timed
         prompts, params, _ = _batch(w, method, schemas if w == JSB else n, 2, temperature)
         llm.generate(prompts, params, use_tqdm=False)
