@@ -249,3 +249,33 @@ def test_unlisted_required_key_that_cannot_be_present_is_refused(toy_tok):
     with pytest.raises(ConstraintError) as e:
         compile_constraint(spec, toy_tok, engine="outlines_core", cache=None)
     assert "at /properties/p/required" in str(e.value), str(e.value)
+
+
+def test_step_triggers_change_nothing(monkeypatch):
+    """The rewriter skips a step on a node that has none of the keywords it is listed with (``_STEPS``): on every
+    MaskBench dev schema (with and without llguidance's native keywords and the required-key listing) the rewrite
+    equals the one that calls every step on every node: the same schema and the same rewrites."""
+    from specgrammar_plugins import schema_rewrite as R
+    from specgrammar_plugins.bench.coverage import schema_files
+    from specgrammar_plugins.schema import ENFORCED
+
+    needs_shared_data("jsonschemabench", "dev")
+
+    class Always(frozenset):
+        def isdisjoint(self, other):
+            return False
+
+    every = tuple((name, Always(kws)) for name, kws in R._STEPS)
+    settings = [(frozenset(), False), (ENFORCED.get("llguidance", frozenset()), False), (frozenset(), True)]
+    compared = 0
+    for f in schema_files():
+        schema = json.loads(f.read_text())["schema"]
+        for native, list_required in settings:
+            fast = rewrite(schema, native, list_required)
+            with monkeypatch.context() as m:
+                m.setattr(R, "_STEPS", every)
+                slow = rewrite(schema, native, list_required)
+            assert json.dumps(fast.schema, sort_keys=True) == json.dumps(slow.schema, sort_keys=True), f.name
+            assert [str(r) for r in fast.rewrites] == [str(r) for r in slow.rewrites], f.name
+            compared += bool(slow.rewrites)
+    assert compared > 500

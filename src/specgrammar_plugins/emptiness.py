@@ -200,9 +200,9 @@ def gbnf_unproductive_root(text: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- JSON Schema
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
-_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+_SUBSCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+_SUBSCHEMA_LISTS = frozenset(("allOf", "anyOf", "oneOf", "prefixItems"))
+_SUBSCHEMA_ONE = frozenset(("items", "additionalProperties", "not", "contains", "if", "then", "else"))
 
 
 def _schema_nodes(schema) -> dict[str, object]:
@@ -214,15 +214,15 @@ def _schema_nodes(schema) -> dict[str, object]:
         nodes[ptr] = node
         if not isinstance(node, dict):
             continue
-        for key in _SUBSCHEMA_MAPS:
-            if isinstance(node.get(key), dict):
-                stack += [(f"{ptr}/{key}/{_esc(name)}", sub) for name, sub in node[key].items()]
-        for key in _SUBSCHEMA_LISTS:
-            if isinstance(node.get(key), list):
-                stack += [(f"{ptr}/{key}/{i}", sub) for i, sub in enumerate(node[key])]
-        for key in _SUBSCHEMA_ONE:
-            if isinstance(node.get(key), (dict, bool)):
-                stack.append((f"{ptr}/{key}", node[key]))
+        for key, v in node.items():  # (the node's own keys: most have a few, the keyword lists are 16 long)
+            if key in _SUBSCHEMA_MAPS:
+                if isinstance(v, dict):
+                    stack += [(f"{ptr}/{key}/{_esc(name)}", sub) for name, sub in v.items()]
+            elif key in _SUBSCHEMA_LISTS:
+                if isinstance(v, list):
+                    stack += [(f"{ptr}/{key}/{i}", sub) for i, sub in enumerate(v)]
+            elif key in _SUBSCHEMA_ONE and isinstance(v, (dict, bool)):
+                stack.append((f"{ptr}/{key}", v))
     return nodes
 
 

@@ -76,25 +76,33 @@ def walk(schema: Any, pointer: str = "", origins: dict[int, str] | None = None
     """Yield (keyword, JSON pointer of the keyword, value, owning schema) for every keyword of every sub-schema.
 
     ``origins`` (id of a sub-schema -> its pointer in the schema as given: ``schema_rewrite.Rewritten.origins``)
-    makes the pointers those of the schema before rewriting."""
+    makes the pointers those of the schema before rewriting.  (Collected by plain recursion, then yielded: a
+    recursive generator pays one frame per level for every keyword, 2-3x the time on a deep 80 KB schema.)"""
+    out: list[tuple[str, str, Any, dict]] = []
+    _collect(schema, pointer, origins, out)
+    return iter(out)
+
+
+def _collect(schema: Any, pointer: str, origins: dict[int, str] | None, out: list) -> None:
     if not isinstance(schema, dict):
         return
     if origins:
         pointer = origins.get(id(schema), pointer)
     for kw, val in schema.items():
-        yield kw, f"{pointer}/{_esc(kw)}", val, schema
+        p = f"{pointer}/{_esc(kw)}"
+        out.append((kw, p, val, schema))
         if kw in _SUB_MAP and isinstance(val, dict):
             for name, sub in val.items():
-                yield from walk(sub, f"{pointer}/{_esc(kw)}/{_esc(name)}", origins)
+                _collect(sub, f"{p}/{_esc(name)}", origins, out)
         elif kw in _SUB_LIST and isinstance(val, list):
             for i, sub in enumerate(val):
-                yield from walk(sub, f"{pointer}/{_esc(kw)}/{i}", origins)
+                _collect(sub, f"{p}/{i}", origins, out)
         elif kw in _SUB and isinstance(val, dict):
-            yield from walk(val, f"{pointer}/{_esc(kw)}", origins)
+            _collect(val, p, origins, out)
         elif kw == "dependencies" and isinstance(val, dict):
             for name, sub in val.items():
                 if isinstance(sub, dict):
-                    yield from walk(sub, f"{pointer}/{_esc(kw)}/{_esc(name)}", origins)
+                    _collect(sub, f"{p}/{_esc(name)}", origins, out)
 
 
 @dataclass

@@ -268,6 +268,24 @@ def _closed_props_ok(k: str, v: Any, into: dict) -> bool:
     return not any(c in into for c in _CONTEXTUAL)
 
 
+# The rewriter's steps, in order, each with the keywords without which it returns the node as it is
+_STEPS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(kws)) for name, kws in (
+    ("_finite_domain", ("enum", "const", "allOf")),
+    ("_enum_type", ("enum", "const")),
+    ("_ref_siblings", ("$ref",)),
+    ("_tuple_items", ("items", "additionalItems")),
+    ("_dependencies", ("dependencies", "dependentRequired", "dependentSchemas")),
+    ("_required_listed", ("required",)),
+    ("_draft4_exclusive", ("exclusiveMinimum", "exclusiveMaximum")),
+    ("_format", ("format",)),
+    ("_not", ("not",)),
+    ("_if", ("if",)),
+    ("_one_of", ("oneOf",)),
+    ("_property_counts", ("minProperties", "maxProperties")),
+    ("_unique_items", ("uniqueItems",)),
+))
+
+
 class _Rewriter:
     def __init__(self, root: Any, native: frozenset[str] = frozenset(), list_required: bool = False):
         self.root = root
@@ -321,12 +339,11 @@ class _Rewriter:
                            for n, sub in v.items()}
             else:
                 out[kw] = v
-        for step in (self._finite_domain, self._enum_type, self._ref_siblings, self._tuple_items, self._dependencies, self._required_listed,
-                     self._draft4_exclusive,
-                     self._format, self._not, self._if, self._one_of, self._property_counts,
-                     self._unique_items):
+        for name, triggers in _STEPS:
+            if triggers.isdisjoint(out):
+                continue  # the step returns the node as it is without one of these (a call per node and step saved)
             noted = len(self.rewrites)
-            new = step(out, ptr)
+            new = getattr(self, name)(out, ptr)
             if new is out:
                 continue
             if isinstance(new, dict) and _branches(new) > max(MAX_BRANCHES, _branches(out)):
