@@ -58,18 +58,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 @contextlib.contextmanager
-def fault_in_one_request(states, message: str = "an injected fault in our drafting code"):
-    """Inject a fault into vLLM grammar drafting (``GrammarStates.begin`` of ``states``) for the first request
-    that reaches it, at every step: a stand-in for a bug in our code.  The other requests draft as usual."""
+def fault_in_one_request(states, message: str = "an injected fault in our drafting code", where: str = "begin"):
+    """Inject a fault into vLLM grammar drafting for the first request that reaches ``GrammarStates.begin`` of
+    ``states``, at every step: a stand-in for a bug in our code.  ``where``: ``"begin"`` raises there;
+    ``"model_draft"`` lets begin succeed and makes the draft block raise when a model draft is pushed onto it (as
+    its matcher failing on ``accept`` would, inside a draft position; host drafts go on).  The other requests draft
+    as usual."""
     begin = states.begin
     victim = {}
 
     def faulty(st, context, n, k=None):
         if not victim:
             victim["st"] = st
-        if st is victim["st"]:
+        if st is victim["st"] and where == "begin":
             raise RuntimeError(message)
-        return begin(st, context, n, k)
+        block = begin(st, context, n, k)
+        if st is victim["st"] and block is not None:
+            push = block.push
+
+            def faulty_push(token, law=None, source="model", **kw):
+                if source == "model":
+                    raise RuntimeError(message)
+                return push(token, law, source, **kw)
+
+            block.push = faulty_push
+        return block
 
     states.begin = faulty
     try:

@@ -97,16 +97,18 @@ def test_more_tokens_per_target_pass_than_vllms_own_draft_model(runs):
     assert runs.ours.metrics["accepted_tokens"] > runs.blind.metrics["accepted_tokens"]
 
 
-def test_a_fault_in_our_drafting_drafts_nothing_for_that_request_and_the_engine_goes_on(runs, schemas):
-    """One request's host drafting raises at every step (a stand-in for a bug in our code, e.g. an engine's
-    matcher failing): that request gets no grammar drafts, the others keep theirs, every output stays the plain
-    greedy one, and the engine serves the next batch."""
+@pytest.mark.parametrize("where", ["begin", "model_draft"])
+def test_a_fault_in_our_drafting_drafts_nothing_for_that_request_and_the_engine_goes_on(runs, schemas, where):
+    """One request's drafting raises at every step (a stand-in for a bug in our code): when its step starts, or
+    from its matcher inside a draft position (an engine's matcher failing on ``accept`` or a mask, where a model
+    draft is offered to it).  That request gets no grammar drafts, the others keep theirs, every output stays the
+    plain greedy one, and the engine serves the next batch."""
     prompts, params = schemas
     llm = runs.ours.llm
     g = proposer_of(llm)
     # (our counters: vLLM 0.32's get_metrics() follows the engine built last, the plain one here)
     c0 = dict(g.counters)
-    with fault_in_one_request(g):
+    with fault_in_one_request(g, where=where):
         outs = llm.generate(prompts, params, use_tqdm=False)
     assert g.counters["proposer_errors"] > c0["proposer_errors"]
     assert [list(o.outputs[0].token_ids) for o in outs] == runs.plain.tokens

@@ -227,17 +227,21 @@ class GrammarDraftProposer(DraftModelProposer):
                 probs.scatter_(1, tokens.view(-1, 1), 1.0)
         else:
             logits = self.model.compute_logits(hidden_states)
-            if plan is None or not (plan.host or plan.model):
-                pass  # no grammar row here: vLLM's own draws
-            elif probabilistic:  # the masked law's probabilities are verified with: every row masked
-                a0 = time.perf_counter_ns()
-                self._apply(logits, self._eager_rows(plan, num_rows))
-                apply_ns = time.perf_counter_ns() - a0
-            else:  # argmax drafts: masks only where the grammar rejects the unmasked argmax (_lazy)
-                am = logits.argmax(dim=-1)  # vLLM's own draft (not counted as ours)
-                a0 = time.perf_counter_ns()
-                tokens, toks = self._lazy(logits, plan, step.rows, am)
-                apply_ns = time.perf_counter_ns() - a0
+            a0 = time.perf_counter_ns()
+            try:
+                if plan is None or not (plan.host or plan.model):
+                    pass  # no grammar row here: vLLM's own draws
+                elif probabilistic:  # the masked law's probabilities are verified with: every row masked
+                    self._apply(logits, self._eager_rows(plan, num_rows))
+                else:  # argmax drafts: masks only where the grammar rejects the unmasked argmax (_lazy)
+                    am = logits.argmax(dim=-1)  # vLLM's own draft (not counted as ours)
+                    a0 = time.perf_counter_ns()
+                    tokens, toks = self._lazy(logits, plan, step.rows, am)
+            except Exception as e:  # the rest of this step drafts as vLLM's own from these logits (verified: exact;
+                g.fault("drawing a draft position", e)  # _finish cuts each request's drafts where its block ends)
+                self._end_grammar(step)
+                toks = None
+            apply_ns = time.perf_counter_ns() - a0
             # vLLM's own draft sampling (llm_base_proposer.py:478-509), on the masked logits
             if toks is not None:
                 probs = None
@@ -284,23 +288,39 @@ class GrammarDraftProposer(DraftModelProposer):
                 toks[i] = t
                 changed = True
         fix = []
+        items = []
         for i in plan.model:
             t = toks[i]
-            if t >= vocab or not rows[i].block.push(t, None, "model"):
+            r = rows[i]
+            try:  # the matcher's accept, and for a refused row its mask: a fault there is this request's alone
+                if t < vocab and r.block.push(t, None, "model"):
+                    continue
+                items.append((i, r.block.mask()))
                 fix.append(i)
+            except Exception as e:  # no grammar drafts for it (its row keeps vLLM's draft, cut by _finish)
+                self._row_fault(r, e)
         c = self.grammar.counters
         c["draft_rows_unmasked"] += len(plan.model) - len(fix)
         c["draft_rows_masked"] += len(fix)
         if fix:
-            items = [(i, rows[i].block.mask()) for i in fix]
-            for i, t in zip(fix, self._masked_argmax(logits, items)):
+            for (i, _), t in zip(items, self._masked_argmax(logits, items)):
                 toks[i] = t
-                if not rows[i].block.push(t, None, "model"):  # (nothing allowed there: cannot happen for a
-                    rows[i].block.closed = True  # live grammar) no more drafts for it
+                r = rows[i]
+                try:
+                    if not r.block.push(t, None, "model"):  # (nothing allowed there: cannot happen for a live
+                        r.block.closed = True  # grammar) no more drafts for it
+                except Exception as e:
+                    self._row_fault(r, e)
             changed = True
         if not changed:
             return am, toks
         return torch.tensor(toks, dtype=am.dtype).to(logits.device, non_blocking=True), toks
+
+    def _row_fault(self, r: "_Row", e: BaseException) -> None:
+        """A fault in one request's drafting at this position: that request gets no grammar drafts from here on
+        (``GrammarStates.fault``); this step's drafts for it are cut by ``_finish``."""
+        self.grammar.fault("a draft position", e, r.req_id)
+        r.block = None
 
     def _masked_argmax(self, logits, items: list) -> list[int]:
         """The argmax of each row ``i`` of ``logits`` masked by its packed ``row`` (``items``: (i, row)), as the
