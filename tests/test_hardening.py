@@ -321,7 +321,7 @@ def _nested_schema(n: int) -> dict:
     return s
 
 
-@pytest.mark.parametrize("engine", ["xgrammar", "llguidance", "outlines_core", "dfa"])
+@pytest.mark.parametrize("engine", ["xgrammar", "llguidance", "outlines_core", "dfa", "auto"])
 def test_nesting_is_bounded_and_never_a_recursion_error(toy_tok, engine):
     """A schema nested 2,000 deep raised RecursionError (a crash, issue 22 finding 7): constraints nest at most
     ``LIMITS.max_nesting`` levels, checked without recursion, whatever the spelling (object, JSON text, regex
@@ -330,7 +330,9 @@ def test_nesting_is_bounded_and_never_a_recursion_error(toy_tok, engine):
     too_deep = [lambda: ConstraintSpec.json_schema(_nested_schema(2000)),
                 lambda: ConstraintSpec.json_schema('{"type":"array","items":' * 5000 + "{}" + "}" * 5000),
                 lambda: ConstraintSpec.regex("(" * 1000 + "a" + ")" * 1000),
-                lambda: ConstraintSpec.grammar("root ::= " + "(" * 1000 + '"a"' + ")" * 1000)]
+                lambda: ConstraintSpec.grammar("root ::= " + "(" * 1000 + '"a"' + ")" * 1000),
+                # built without the factory's checks: compile_constraint's own scan (once under "auto")
+                lambda: ConstraintSpec("json_schema", '{"type":"array","items":' * 500 + "{}" + "}" * 500)]
     for make in too_deep:
         with pytest.raises(ConstraintError, match="nests more than 128 levels deep"):
             compile_constraint(make(), toy_tok, engine=engine, cache=None)

@@ -165,7 +165,7 @@ def policy_engines(spec: ConstraintSpec) -> tuple[str, ...]:
 
 def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str | None = None,
                        cache: CompileCache | None = CACHE, *, _timeout: float | None = None,
-                       **options) -> CompiledConstraint:
+                       _checked: bool = False, **options) -> CompiledConstraint:
     """Compile ``spec`` for ``tokenizer`` with ``engine`` (default: ``DEFAULTS`` per kind, else xgrammar; ``"auto"``:
     the policy above), once: later calls hit the cache.
 
@@ -175,7 +175,7 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: s
     pointer (see ``schema.py``).  Raises ``ConstraintError`` with the engine's reason for anything it refuses.
     """
     engine = engine or default_engine(spec)
-    size = len(spec.value.encode("utf-8")) if isinstance(spec.value, str) else len(spec.key())
+    size = 0 if _checked else len(spec.value.encode("utf-8")) if isinstance(spec.value, str) else len(spec.key())
     if size > LIMITS.max_constraint_bytes:
         raise ConstraintError(f"the constraint is {size} bytes; the limit is {LIMITS.max_constraint_bytes} "
                               "(SPECGRAMMAR_MAX_CONSTRAINT_BYTES)", engine=engine, kind=spec.kind)
@@ -183,20 +183,23 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: s
         hit = cache.get(_cache_key(spec, tokenizer, engine, options))  # the depth scan and emptiness walk cost ms)
         if hit is not None:
             return _for_spec(spec, hit)
-    why = too_deep(f"the {spec.kind}", constraint_depth(spec.kind, spec.value, spec.syntax))
+    # _checked: the "auto" policy's call per engine, after its own call made these checks (the depth scan of an
+    # 80 KB schema costs ~1.5 ms, once per engine tried otherwise)
+    why = None if _checked else too_deep(f"the {spec.kind}", constraint_depth(spec.kind, spec.value, spec.syntax))
     if why:  # engines and our walkers recurse per level: bounded before any of them runs
         raise ConstraintError(why, engine=engine, kind=spec.kind)
     try:
-        return _compile_checked(spec, tokenizer, engine, cache, _timeout, options)
+        return _compile_checked(spec, tokenizer, engine, cache, _timeout, options, _checked)
     except RecursionError:  # a shape the nesting bound does not measure: still a refusal, never a crash
         raise ConstraintError("the constraint nests too deeply to compile", engine=engine, kind=spec.kind) from None
 
 
 def _compile_checked(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str, cache: CompileCache | None,
-                     _timeout: float | None, options: dict) -> CompiledConstraint:
+                     _timeout: float | None, options: dict, checked: bool = False) -> CompiledConstraint:
     from .emptiness import check_not_empty
 
-    check_not_empty(spec, engine)  # a language with no string at all: refused before any engine runs
+    if not checked:
+        check_not_empty(spec, engine)  # a language with no string at all: refused before any engine runs
     if engine == "auto":
         errors: list[ConstraintError] = []
         names = policy_engines(spec)
@@ -207,7 +210,7 @@ def _compile_checked(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str
             try:
                 timeout = LIMITS.compile_timeout_s if i == len(names) - 1 else min(LIMITS.auto_try_s,
                                                                                     LIMITS.compile_timeout_s)
-                return compile_constraint(spec, tokenizer, name, cache, _timeout=timeout, **options)
+                return compile_constraint(spec, tokenizer, name, cache, _timeout=timeout, _checked=True, **options)
             except ConstraintError as e:
                 if "compile time limit" in e.reason:
                     if len(_SLOW) > 4096:
