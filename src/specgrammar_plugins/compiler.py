@@ -174,32 +174,33 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: s
     default; spec option ``strict``): a keyword the engine does not enforce is an error naming it and its JSON
     pointer (see ``schema.py``).  Raises ``ConstraintError`` with the engine's reason for anything it refuses.
     """
+    from .emptiness import check_not_empty
+
     engine = engine or default_engine(spec)
-    size = 0 if _checked else len(spec.value.encode("utf-8")) if isinstance(spec.value, str) else len(spec.key())
-    if size > LIMITS.max_constraint_bytes:
-        raise ConstraintError(f"the constraint is {size} bytes; the limit is {LIMITS.max_constraint_bytes} "
-                              "(SPECGRAMMAR_MAX_CONSTRAINT_BYTES)", engine=engine, kind=spec.kind)
+    # _checked: the "auto" policy's call per engine, after its own call made the checks below (the depth scan of
+    # an 80 KB schema costs ~1.5 ms, once per engine tried otherwise)
+    if not _checked:
+        size = len(spec.value.encode("utf-8")) if isinstance(spec.value, str) else len(spec.key())
+        if size > LIMITS.max_constraint_bytes:
+            raise ConstraintError(f"the constraint is {size} bytes; the limit is {LIMITS.max_constraint_bytes} "
+                                  "(SPECGRAMMAR_MAX_CONSTRAINT_BYTES)", engine=engine, kind=spec.kind)
     if cache is not None and engine != "auto":  # compiled before: the checks below passed then (on a large schema
         hit = cache.get(_cache_key(spec, tokenizer, engine, options))  # the depth scan and emptiness walk cost ms)
         if hit is not None:
             return _for_spec(spec, hit)
-    # _checked: the "auto" policy's call per engine, after its own call made these checks (the depth scan of an
-    # 80 KB schema costs ~1.5 ms, once per engine tried otherwise)
-    why = None if _checked else too_deep(f"the {spec.kind}", constraint_depth(spec.kind, spec.value, spec.syntax))
-    if why:  # engines and our walkers recurse per level: bounded before any of them runs
-        raise ConstraintError(why, engine=engine, kind=spec.kind)
     try:
-        return _compile_checked(spec, tokenizer, engine, cache, _timeout, options, _checked)
+        if not _checked:
+            why = too_deep(f"the {spec.kind}", constraint_depth(spec.kind, spec.value, spec.syntax))
+            if why:  # engines and our walkers recurse per level: bounded before any of them runs
+                raise ConstraintError(why, engine=engine, kind=spec.kind)
+            check_not_empty(spec, engine)  # a language with no string at all: refused before any engine runs
+        return _compile_checked(spec, tokenizer, engine, cache, _timeout, options)
     except RecursionError:  # a shape the nesting bound does not measure: still a refusal, never a crash
         raise ConstraintError("the constraint nests too deeply to compile", engine=engine, kind=spec.kind) from None
 
 
 def _compile_checked(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str, cache: CompileCache | None,
-                     _timeout: float | None, options: dict, checked: bool = False) -> CompiledConstraint:
-    from .emptiness import check_not_empty
-
-    if not checked:
-        check_not_empty(spec, engine)  # a language with no string at all: refused before any engine runs
+                     _timeout: float | None, options: dict) -> CompiledConstraint:
     if engine == "auto":
         errors: list[ConstraintError] = []
         names = policy_engines(spec)
