@@ -287,8 +287,7 @@ class GrammarDraftProposer(DraftModelProposer):
             if toks[i] != t:
                 toks[i] = t
                 changed = True
-        fix = []
-        items = []
+        items = []  # the refused rows: (i, its mask)
         for i in plan.model:
             t = toks[i]
             r = rows[i]
@@ -296,13 +295,12 @@ class GrammarDraftProposer(DraftModelProposer):
                 if t < vocab and r.block.push(t, None, "model"):
                     continue
                 items.append((i, r.block.mask()))
-                fix.append(i)
             except Exception as e:  # no grammar drafts for it (its row keeps vLLM's draft, cut by _finish)
                 self._row_fault(r, e)
         c = self.grammar.counters
-        c["draft_rows_unmasked"] += len(plan.model) - len(fix)
-        c["draft_rows_masked"] += len(fix)
-        if fix:
+        c["draft_rows_unmasked"] += len(plan.model) - len(items)
+        c["draft_rows_masked"] += len(items)
+        if items:
             for (i, _), t in zip(items, self._masked_argmax(logits, items)):
                 toks[i] = t
                 r = rows[i]
