@@ -126,6 +126,28 @@ def test_argmax_drafts_mask_only_the_rows_whose_argmax_the_grammar_rejects(runs)
     ours: ``test_blind_drafts_are_truncated_and_ours_never``) with the output the plain greedy one."""
     c = proposer_of(runs.ours.llm).counters
     assert c["draft_rows_unmasked"] > 0 and c["draft_rows_masked"] > 0, c
+    assert c["draft_rows_ended"] > 0, c  # (refused_drafts = 1: a refused position is a request's last draft)
+
+
+_KEPT = []  # engines built by single tests (a freed engine tears down vLLM's process groups)
+
+
+@pytest.mark.parametrize("limit", [0, None])
+def test_refused_drafts_option_reaches_the_proposer_through_vllms_config(runs, schemas, limit):
+    """``--additional-config '{"specgrammar": {"refused_drafts": ...}}'`` in a real engine: 0 ends a request's drafts
+    at the first refusal (no row masked), null never ends them (no row ended); the output stays the plain greedy
+    one either way, and the default (``runs.ours``: 1) ends some."""
+    prompts, params = schemas
+    llm = make_llm(tiny_path("target"), method="grammar", k=K, draft_model=str(tiny_path("draft")),
+                   specgrammar={"refused_drafts": limit})
+    _KEPT.append(llm)
+    r = _run(llm, prompts, params)
+    assert r.tokens == runs.plain.tokens
+    c = proposer_of(llm).counters
+    if limit == 0:
+        assert c["draft_rows_ended"] > 0 and c["draft_rows_masked"] == 0, c
+    else:
+        assert c["draft_rows_ended"] == 0 and c["draft_rows_masked"] > 0, c
 
 
 @pytest.mark.parametrize("vocab,ties", [(1000, 6), (1000, None), (9000, 6), (9000, None)])
@@ -144,12 +166,9 @@ def test_lazy_masking_equals_the_masked_argmax_row_for_row(vocab, ties):
     from specgrammar_vllm.draft_proposer import GrammarDraftProposer, _Plan
 
     rows = 9
-    counters = {"draft_rows_unmasked": 0, "draft_rows_masked": 0}
-    prop = object.__new__(GrammarDraftProposer)
-    prop._vocab = vocab
-    prop.grammar = SimpleNamespace(counters=counters)
-    prop._bitmask = torch.empty((rows, mask_words(vocab)), dtype=torch.int32)
-    prop._bitmask_np = prop._bitmask.numpy()
+    counters = {"draft_rows_unmasked": 0, "draft_rows_masked": 0, "draft_rows_ended": 0}
+    prop = _bare_proposer(vocab, rows, counters)
+    prop._refused_drafts = None  # (every refused row drafts its masked argmax, none ends: refused_drafts below)
     full = np.full(mask_words(vocab), -1, dtype=np.int32)
     rng = np.random.default_rng(7)
     rejected = 0
@@ -190,7 +209,7 @@ def test_lazy_masking_equals_the_masked_argmax_row_for_row(vocab, ties):
         GrammarDraftProposer._apply(prop, masked, rows)
         expected = masked.argmax(dim=-1).tolist()
         before = logits.clone()
-        step_rows = [SimpleNamespace(block=b) for b in blocks]
+        step_rows = [SimpleNamespace(block=b, refused=0) for b in blocks]
         tokens, toks = prop._lazy(logits, plan, step_rows)
         assert toks == expected and tokens.tolist() == expected
         for i, b in enumerate(blocks):
@@ -200,6 +219,88 @@ def test_lazy_masking_equals_the_masked_argmax_row_for_row(vocab, ties):
                 assert b.mask_fills == (0 if allowed[final_argmax[i]] else 1)
         assert torch.equal(logits.nan_to_num(), before.nan_to_num())  # the draft's logits are left as they were
     assert counters["draft_rows_masked"] == rejected > 0 and counters["draft_rows_unmasked"] > 0
+    assert counters["draft_rows_ended"] == 0
+
+
+def _bare_proposer(vocab: int, rows: int, counters: dict):
+    """A ``GrammarDraftProposer`` without vLLM's engine: the attributes ``_lazy`` reads."""
+    import torch
+
+    from specgrammar_plugins.api import mask_words
+    from specgrammar_vllm.draft_proposer import GrammarDraftProposer
+
+    prop = object.__new__(GrammarDraftProposer)
+    prop._vocab = vocab
+    prop.grammar = SimpleNamespace(counters=counters)
+    prop._bitmask = torch.empty((rows, mask_words(vocab)), dtype=torch.int32)
+    prop._bitmask_np = prop._bitmask.numpy()
+    return prop
+
+
+@pytest.mark.parametrize("limit", [None, 0, 1, 2])
+def test_refused_drafts_ends_a_requests_drafts_after_that_many_refused_positions(limit):
+    """``refused_drafts``: a request whose draft-model argmax the grammar refuses drafts the masked argmax there, and
+    its drafts end (its block closes) after ``limit`` such positions in a step; 0 ends them at the first, with no
+    mask filled and nothing drafted there (vLLM's own draft stays in the row, cut by ``_finish``); None never ends
+    them.  A position whose argmax the grammar takes counts nothing.  Each row here walks four positions; the
+    grammar refuses the argmax at positions 0, 2 and 3 and takes it at 1."""
+    import numpy as np
+    import torch
+
+    from specgrammar_plugins.api import DraftBlock, mask_words
+    from specgrammar_plugins.testing import TableMatcher
+    from specgrammar_vllm.draft_proposer import _Plan
+
+    vocab, k = 64, 4
+    counters = {"draft_rows_unmasked": 0, "draft_rows_masked": 0, "draft_rows_ended": 0}
+    prop = _bare_proposer(vocab, 1, counters)
+    prop._refused_drafts = limit
+
+    def row_of(ids):
+        bits = np.zeros(mask_words(vocab) * 32, dtype=bool)
+        bits[list(ids)] = True
+        return np.packbits(bits, bitorder="little").view(np.int32)
+
+    # position p: the argmax is token 10 + p; allowed at position 1 only, else the allowed ids are 40 + p and 50
+    tables = [row_of([40, 50]), row_of([11, 41]), row_of([42, 50]), row_of([43, 50]), row_of(range(vocab))]
+    block = DraftBlock([1], TableMatcher(tables, vocab), vocab, k, lazy=True)
+    r = SimpleNamespace(block=block, refused=0)
+    drafted = []
+    for p in range(k):
+        if block.done:
+            break
+        logits = torch.zeros((1, vocab))
+        logits[0, 10 + p] = 5.0
+        logits[0, 40 + p] = 3.0
+        plan = _Plan()
+        plan.model.append(0)
+        _, toks = prop._lazy(logits, plan, [r])
+        drafted.append(toks[0])
+    refused_at = [0, 2, 3]
+    if limit is None:
+        assert block.tokens == [40, 11, 42, 43] and not block.closed
+        assert counters["draft_rows_ended"] == 0
+    elif limit == 0:  # ended at position 0, nothing drafted there and no mask filled; the row keeps vLLM's token
+        assert block.tokens == [] and block.closed and block.mask_fills == 0
+        assert drafted == [10]
+        assert counters["draft_rows_ended"] == 1 and counters["draft_rows_masked"] == 0
+    else:  # the masked argmax at each refused position, then the end after the limit-th
+        last = refused_at[limit - 1]
+        assert block.tokens == [40, 11, 42, 43][: last + 1] and block.closed
+        assert block.mask_fills == limit
+        assert counters["draft_rows_ended"] == 1 and counters["draft_rows_masked"] == limit
+    assert r.refused == (1 if limit == 0 else len(refused_at) if limit is None else limit)
+
+
+def test_refused_drafts_option_is_checked():
+    from specgrammar_vllm.draft_proposer import REFUSED_DRAFTS, refused_drafts_option
+
+    assert refused_drafts_option({}) == REFUSED_DRAFTS == 1
+    assert refused_drafts_option({"refused_drafts": None}) is None
+    assert refused_drafts_option({"refused_drafts": 3}) == 3
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="refused_drafts"):
+            refused_drafts_option({"refused_drafts": bad})
 
 
 def test_the_host_chain_runs_once_per_block_length():

@@ -19,7 +19,8 @@ at :630, :651 and :762):
     argmax drafts (greedy, or vLLM's default ``draft_sample_method="greedy"``): the unmasked argmax, one copy to
              the host; a host draft replaces its row's token; each model row's argmax is offered to its block,
              whose matcher takes it or refuses it without a mask; only the refused rows get their mask filled
-             and their masked argmax taken (``_lazy``: the same tokens as masking every row)
+             and their masked argmax taken (``_lazy``: the same tokens as masking every row); a refused position
+             is a request's last draft at the step (option ``"refused_drafts"``, ``REFUSED_DRAFTS``)
     sampled drafts: every model row's mask filled; bitmask [B, V/32] (the host draft's one-hot row, else the
              grammar's row, else all ones: no grammar, drafts as vLLM's own) -> one H2D copy, xgrammar's
              ``apply_token_bitmask_inplace`` (the kernel vLLM's structured outputs mask the target with), then
@@ -63,6 +64,11 @@ log = logging.getLogger("vllm.specgrammar")
 # measured per rejected row, the kernel 21 us at 1,024 tokens and 1.4 ms at 151,936, the allowed-ids argmax
 # 68 us and 0.2 ms (2-core AMD EPYC, torch 2.13 CPU, xgrammar 0.2.8); they cross near 8,192
 CPU_KERNEL_MAX_VOCAB = 8192
+# An argmax draft the grammar refuses means the draft model's law is mostly outside the grammar there: the masked
+# argmax drafted in its place was accepted 21% of the times it was reached (389 of 1,822, the tiny pair on unseen
+# schemas), so the positions after it are rarely reached, yet each costs a draft pass and a verification slot.  A
+# request's drafts end after this many refused positions per step (option "refused_drafts"; None: up to k)
+REFUSED_DRAFTS = 1
 
 
 def why_not_grammar(vllm_config, runner) -> str | None:
@@ -86,7 +92,7 @@ def why_not_grammar(vllm_config, runner) -> str | None:
 class _Row:
     """One batch row's drafting at this step: its request state and draft block (None: no grammar drafts)."""
 
-    __slots__ = ("req_id", "st", "block", "real", "tried")
+    __slots__ = ("req_id", "st", "block", "real", "tried", "refused")
 
     def __init__(self, req_id, st, block):
         self.req_id = req_id
@@ -94,6 +100,7 @@ class _Row:
         self.block = block
         self.real = 0  # leading positions whose drafted token is the block's (the request's real drafts)
         self.tried = -1  # the block length at which the host chain last ran and stopped (it would stop there again)
+        self.refused = 0  # positions at this step where the grammar refused the draft model's argmax
 
     def chain(self, j: int) -> None:
         """Run the request's host chain (forced tokens, jump-forward strings, recipes) until the block has a token
@@ -136,7 +143,18 @@ class _EnoughDrafts(Exception):
     left is a host draft or nothing, so the remaining draft-model passes are skipped."""
 
 
+def refused_drafts_option(opts: dict) -> int | None:
+    """The option ``"refused_drafts"``: after how many refused positions a request's drafts end at a step (0: at the
+    first, with nothing drafted there, as vLLM's ``validate_tokens`` cuts a blind draft; None: never, up to k)."""
+    n = opts.get("refused_drafts", REFUSED_DRAFTS)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise ValueError(f'the specgrammar option "refused_drafts" must be a non-negative integer or null, got {n!r}')
+    return n
+
+
 class GrammarDraftProposer(DraftModelProposer):
+    _refused_drafts: int | None = REFUSED_DRAFTS
+
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         self.runner = runner
@@ -146,7 +164,9 @@ class GrammarDraftProposer(DraftModelProposer):
         reason = why_not_grammar(vllm_config, runner)
         if reason is None:
             try:
-                self.grammar = GrammarStates(vllm_config)
+                grammar = GrammarStates(vllm_config)
+                self._refused_drafts = refused_drafts_option(grammar.options)
+                self.grammar = grammar
             except Exception as e:  # an unsupported version or a bad option: vLLM's own proposer, said loudly
                 reason = f"{type(e).__name__}: {e}"
         if self.grammar is None:
@@ -276,7 +296,10 @@ class GrammarDraftProposer(DraftModelProposer):
         [V]-wide mask filled at all.  Only a row whose argmax the grammar rejects has its mask filled and its
         masked argmax found (``_masked_argmax``); a row with a host draft takes that token (the argmax of its
         one-hot mask).  Exact, token for token, against masking every row.  The model's tokens are pushed onto
-        their blocks here (``_advance`` then only counts).  ``am``: the unmasked argmax when the caller has it.
+        their blocks here (``_advance`` then only counts).  A row refused at its ``_refused_drafts``-th position of
+        the step drafts the masked argmax there and its block closes; past that (limit 0) it closes before, with no
+        mask filled and vLLM's own token left in the row (``_finish`` cuts it).  ``am``: the unmasked argmax when
+        the caller has it.
         Returns (tokens [B] on the logits' device, the same as a list)."""
         if am is None:
             am = logits.argmax(dim=-1)
@@ -287,18 +310,25 @@ class GrammarDraftProposer(DraftModelProposer):
             if toks[i] != t:
                 toks[i] = t
                 changed = True
+        limit = self._refused_drafts
         items = []  # the refused rows: (i, its mask)
+        ended = 0  # rows whose drafts end here (``refused_drafts``)
         for i in plan.model:
             t = toks[i]
             r = rows[i]
             try:  # the matcher's accept, and for a refused row its mask: a fault there is this request's alone
                 if t < vocab and r.block.push(t, None, "model"):
                     continue
+                r.refused += 1
+                if limit is not None and r.refused > limit:  # (limit 0) its drafts end before this position: no
+                    r.block.closed = True  # mask; the row keeps vLLM's draft, cut by _finish
+                    ended += 1
+                    continue
                 items.append((i, r.block.mask()))
             except Exception as e:  # no grammar drafts for it (its row keeps vLLM's draft, cut by _finish)
                 self._row_fault(r, e)
         c = self.grammar.counters
-        c["draft_rows_unmasked"] += len(plan.model) - len(items)
+        c["draft_rows_unmasked"] += len(plan.model) - len(items) - ended
         c["draft_rows_masked"] += len(items)
         if items:
             for (i, _), t in zip(items, self._masked_argmax(logits, items)):
@@ -307,9 +337,13 @@ class GrammarDraftProposer(DraftModelProposer):
                 try:
                     if not r.block.push(t, None, "model"):  # (nothing allowed there: cannot happen for a live
                         r.block.closed = True  # grammar) no more drafts for it
+                    elif limit is not None and r.refused >= limit:  # the masked argmax is its last draft here
+                        r.block.closed = True
+                        ended += 1
                 except Exception as e:
                     self._row_fault(r, e)
             changed = True
+        c["draft_rows_ended"] += ended
         if not changed:
             return am, toks
         return torch.tensor(toks, dtype=am.dtype).to(logits.device, non_blocking=True), toks

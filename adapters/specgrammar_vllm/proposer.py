@@ -28,7 +28,7 @@ change in memory on the supported versions (``wiring.py``).  Without a runner th
 
 Options (``--additional-config '{"specgrammar": {...}}'``): ``drafters`` (default forced, recipe), ``recipe`` (a
 pack file or shipped pack name), ``recipes_dir`` (a folder of packs requests may name), ``engine``,
-``engine_options``.  Per request, ``SamplingParams(extra_args={"specgrammar": {"recipe": ..., "drafters": [...]}})``
+``engine_options``, and for the draft-model path ``refused_drafts`` (``draft_proposer.REFUSED_DRAFTS``).  Per request, ``SamplingParams(extra_args={"specgrammar": {"recipe": ..., "drafters": [...]}})``
 (or the same object as a JSON string: the launcher passes a request's ``specgrammar`` as ``vllm_xargs``) overrides
 ``recipe`` (a pack *name*: ``recipes_dir``, then the shipped packs; never a path) and ``drafters``.  Requests without
 structured outputs get no host drafts.  A fault in our code while drafting for a request (``fault``) is logged and
@@ -63,7 +63,7 @@ DEFAULT_DRAFTERS = ("forced", "recipe")
 COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
             "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "proposer_errors",
             "draft_passes", "draft_passes_skipped", "positions_without_logits", "budget_cut_off",
-            "draft_rows_unmasked", "draft_rows_masked")
+            "draft_rows_unmasked", "draft_rows_masked", "draft_rows_ended")
 MOVED_DRAFT_MODEL = (
     "the specgrammar option 'draft_model' is gone: give the draft model to vLLM instead, "
     "--speculative-config '{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K}' "

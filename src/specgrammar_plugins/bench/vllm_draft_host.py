@@ -49,7 +49,7 @@ def _proposer(vocab: int, batch: int):
     def fault(where, e, req_id=None):
         raise e
 
-    p.grammar = SimpleNamespace(counters={"draft_rows_unmasked": 0, "draft_rows_masked": 0}, fault=fault)
+    p.grammar = SimpleNamespace(counters={"draft_rows_unmasked": 0, "draft_rows_masked": 0, "draft_rows_ended": 0}, fault=fault)
     return p
 
 
