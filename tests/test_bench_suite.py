@@ -230,3 +230,22 @@ def test_vllm_draft_host_quick(tmp_path):
     _finite(doc["rows"], ["host_ms", "rows_masked", "positions_per_step"])
     for r in doc["rows"]:
         _finite([r["ms"]], list(r["ms"]))
+
+
+def test_progress_bars_redraw_rarely_into_a_log(monkeypatch):
+    """Into a log or a pipe a benchmark's bar is redrawn at most every 30 s (each redraw is a line there); on a
+    terminal as often as tqdm likes."""
+    import io
+
+    from specgrammar_plugins.bench import _report as R
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, interval in ((io.StringIO(), R.NON_TTY_INTERVAL_S), (Tty(), 0.1)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        bar = R.progress(range(50), "x")
+        assert bar.mininterval == interval
+        assert list(bar) == list(range(50))
+        bar.close()

@@ -3,7 +3,7 @@
     ap = argparse.ArgumentParser(...)
     add_common_args(ap, "strategies")            # --out-dir (default bench-out/strategies/), --quick
     rep = Report("strategies", args)             # makes the folder, records machine + argv + start time
-    for _ in progress(items, "strategies"):      # tqdm on stderr (silent when not a terminal unless forced)
+    for _ in progress(items, "strategies"):      # tqdm on stderr (into a log or pipe: at most every 30 s)
         ...
     rep.write(payload, plot=lambda ax: ...)      # <out-dir>/<name>.json and <name>.png; returns the paths
 
@@ -70,11 +70,18 @@ def versions(*packages: str) -> dict:
     return out
 
 
+NON_TTY_INTERVAL_S = 30.0
+
+
 def progress(items: Iterable, desc: str, total: int | None = None, disable: bool = False):
-    """A tqdm bar on stderr over ``items``."""
+    """A tqdm bar on stderr over ``items``.  Where stderr is not a terminal (a log file, a pipe, CI) the bar is
+    redrawn at most every ``NON_TTY_INTERVAL_S`` seconds: each redraw is a new carriage-return line in the log, and at
+    tqdm's default 10 per second a long benchmark filled its log with them."""
     from tqdm import tqdm
 
-    return tqdm(items, desc=desc, total=total, disable=disable, file=sys.stderr, dynamic_ncols=True, leave=False)
+    tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
+    return tqdm(items, desc=desc, total=total, disable=disable, file=sys.stderr, dynamic_ncols=True, leave=False,
+                mininterval=0.1 if tty else NON_TTY_INTERVAL_S)
 
 
 def median(xs: Sequence[float]) -> float:
