@@ -166,8 +166,7 @@ def test_lazy_masking_equals_the_masked_argmax_row_for_row(vocab, ties):
     from specgrammar_vllm.draft_proposer import GrammarDraftProposer, _Plan
 
     rows = 9
-    counters = {"draft_rows_unmasked": 0, "draft_rows_masked": 0, "draft_rows_ended": 0}
-    prop = _bare_proposer(vocab, rows, counters)
+    prop, counters = _bare_proposer(vocab, rows)
     prop._refused_drafts = None  # (every refused row drafts its masked argmax, none ends: refused_drafts below)
     full = np.full(mask_words(vocab), -1, dtype=np.int32)
     rng = np.random.default_rng(7)
@@ -222,19 +221,13 @@ def test_lazy_masking_equals_the_masked_argmax_row_for_row(vocab, ties):
     assert counters["draft_rows_ended"] == 0
 
 
-def _bare_proposer(vocab: int, rows: int, counters: dict):
-    """A ``GrammarDraftProposer`` without vLLM's engine: the attributes ``_lazy`` reads."""
-    import torch
+def _bare_proposer(vocab: int, rows: int):
+    """A ``GrammarDraftProposer`` without vLLM's engine (the benchmark's: the attributes ``_lazy`` reads, every
+    counter at 0, a fault raised) and its counters."""
+    from specgrammar_plugins.bench.vllm_draft_host import _proposer
 
-    from specgrammar_plugins.api import mask_words
-    from specgrammar_vllm.draft_proposer import GrammarDraftProposer
-
-    prop = object.__new__(GrammarDraftProposer)
-    prop._vocab = vocab
-    prop.grammar = SimpleNamespace(counters=counters)
-    prop._bitmask = torch.empty((rows, mask_words(vocab)), dtype=torch.int32)
-    prop._bitmask_np = prop._bitmask.numpy()
-    return prop
+    prop = _proposer(vocab, rows)
+    return prop, prop.grammar.counters
 
 
 @pytest.mark.parametrize("limit", [None, 0, 1, 2])
@@ -252,8 +245,7 @@ def test_refused_drafts_ends_a_requests_drafts_after_that_many_refused_positions
     from specgrammar_vllm.draft_proposer import _Plan
 
     vocab, k = 64, 4
-    counters = {"draft_rows_unmasked": 0, "draft_rows_masked": 0, "draft_rows_ended": 0}
-    prop = _bare_proposer(vocab, 1, counters)
+    prop, counters = _bare_proposer(vocab, 1)
     prop._refused_drafts = limit
 
     def row_of(ids):

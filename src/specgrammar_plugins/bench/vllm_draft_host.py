@@ -39,6 +39,7 @@ def _proposer(vocab: int, batch: int):
 
     from ..api import mask_words
     from specgrammar_vllm.draft_proposer import GrammarDraftProposer
+    from specgrammar_vllm.proposer import COUNTERS
 
     p = object.__new__(GrammarDraftProposer)
     p._vocab = vocab
@@ -49,7 +50,7 @@ def _proposer(vocab: int, batch: int):
     def fault(where, e, req_id=None):
         raise e
 
-    p.grammar = SimpleNamespace(counters={"draft_rows_unmasked": 0, "draft_rows_masked": 0, "draft_rows_ended": 0}, fault=fault)
+    p.grammar = SimpleNamespace(counters=dict.fromkeys(COUNTERS, 0), fault=fault)
     return p
 
 
