@@ -74,6 +74,7 @@ def runs(schemas):
         seen = count_truncations(llm)
         r = _run(llm, prompts, params)
         r.truncations, r.llm = seen, llm
+        r.counters = dict(proposer_of(llm).counters) if name == "ours" else None  # (before other tests add to them)
         setattr(out, name, r)  # (every engine stays referenced: a freed one tears down vLLM's process groups)
     plain = make_llm(tiny_path("target"), method=None)
     out.plain = _run(plain, prompts, params)
@@ -124,9 +125,10 @@ def test_argmax_drafts_mask_only_the_rows_whose_argmax_the_grammar_rejects(runs)
     the draft's unmasked argmax (``GrammarDraftProposer._lazy``): on schemas the draft never saw both kinds of
     rows occur, and the rows that were masked still drafted inside the grammar (vLLM never truncated a draft of
     ours: ``test_blind_drafts_are_truncated_and_ours_never``) with the output the plain greedy one."""
-    c = proposer_of(runs.ours.llm).counters
+    c = runs.ours.counters
     assert c["draft_rows_unmasked"] > 0 and c["draft_rows_masked"] > 0, c
     assert c["draft_rows_ended"] > 0, c  # (refused_drafts = 1: a refused position is a request's last draft)
+    assert c["draft_rows_unlikely"] == 0, c  # (draft_confidence: a greedy request's drafts are never unlikely)
 
 
 _KEPT = []  # engines built by single tests (a freed engine tears down vLLM's process groups)
@@ -148,6 +150,28 @@ def test_refused_drafts_option_reaches_the_proposer_through_vllms_config(runs, s
         assert c["draft_rows_ended"] > 0 and c["draft_rows_masked"] == 0, c
     else:
         assert c["draft_rows_ended"] == 0 and c["draft_rows_masked"] > 0, c
+
+
+def test_draft_confidence_option_reaches_the_proposer_through_vllms_config(runs, schemas):
+    """At T = 1 the default ``draft_confidence`` ends some requests' drafts where the draft model's probability of
+    reaching the next position falls below it; ``--additional-config '{"specgrammar": {"draft_confidence": null}}'``
+    ends none.  (Exactness with it on: the draft-model cases of ``test_output_law_at_positive_temperature_matches_plain``
+    in test_vllm_proposer.py.)"""
+    from specgrammar_vllm.offline import sampling_params
+
+    prompts, _ = schemas
+    from specgrammar_plugins.bench.vllm_host import jsb_examples
+
+    hot = [sampling_params(spec, temperature=1.0, max_tokens=MAX_TOKENS) for _, spec, _ in jsb_examples(N_SCHEMAS)]
+    off = make_llm(tiny_path("target"), method="grammar", k=K, draft_model=str(tiny_path("draft")),
+                   specgrammar={"draft_confidence": None})
+    _KEPT.append(off)
+    for llm, ends in ((runs.ours.llm, True), (off, False)):
+        c = proposer_of(llm).counters
+        before = dict(c)
+        llm.generate(prompts, hot, use_tqdm=False)
+        assert c["accepted_tokens"] > before["accepted_tokens"]
+        assert (c["draft_rows_unlikely"] > before["draft_rows_unlikely"]) == ends, (ends, c)
 
 
 @pytest.mark.parametrize("vocab,ties", [(1000, 6), (1000, None), (9000, 6), (9000, None)])
@@ -293,6 +317,103 @@ def test_refused_drafts_option_is_checked():
     for bad in (-1, 1.5, "2", True):
         with pytest.raises(ValueError, match="refused_drafts"):
             refused_drafts_option({"refused_drafts": bad})
+
+
+def test_draft_confidence_ends_a_requests_drafts_where_the_next_position_is_unlikely_reached():
+    """``draft_confidence``: a request's drafts end (its block closes) after the model draft where the product of the
+    draft model's probabilities of its drafts at this step falls below the threshold; that draft is still its last.
+    Host drafts (forced tokens) count nothing; without probabilities (``conf`` None) or with the option off nothing
+    ends.  ``_unsure`` asks for the probabilities of sampled requests' open model rows only, before the last
+    position."""
+    import numpy as np
+
+    from specgrammar_plugins.api import DraftBlock, mask_words
+    from specgrammar_plugins.testing import TableMatcher
+    from specgrammar_vllm.draft_proposer import _Row, _Step
+
+    vocab, k = 64, 4
+    full = np.full(mask_words(vocab), -1, dtype=np.int32)
+
+    def walk(threshold, confs, sources):
+        prop, counters = _bare_proposer(vocab, 1)
+        prop._confidence = threshold
+        block = DraftBlock([1], TableMatcher([full] * (k + 1), vocab), vocab, k, lazy=True)
+        step = _Step([_Row("r", SimpleNamespace(grammar=True), block)], k)
+        for p in range(k):
+            if block.done:
+                break
+            t = 10 + p
+            if sources[p] != "model":  # a host draft already on the block at this position
+                block.push(t, None, sources[p])
+            prop._advance(step, [t], None if confs is None else {0: confs[p]})
+            step.pos += 1
+        return block, step.rows[0], counters["draft_rows_unlikely"]
+
+    model = ["model"] * k
+    block, row, ended = walk(0.2, [0.9, 0.5, 0.4, 0.9], model)  # reach 0.9, 0.45, 0.18 < 0.2: ends after the 3rd
+    assert block.tokens == [10, 11, 12] and block.closed and ended == 1 and row.real == 3
+    assert abs(row.reach - 0.9 * 0.5 * 0.4) < 1e-12
+    block, _, ended = walk(0.2, [0.1, 0.9, 0.9, 0.9], model)  # the first draft is its last
+    assert block.tokens == [10] and block.closed and ended == 1
+    block, _, ended = walk(0.2, [0.1, 0.1, 0.5, 0.5], ["forced", "forced", "model", "model"])  # host drafts: 1
+    assert block.tokens == [10, 11, 12, 13] and ended == 0
+    for threshold, confs in ((0.2, None), (0.2, [1.0] * k), (None, [0.01] * k)):
+        block, _, ended = walk(threshold, confs, model)
+        assert block.tokens == [10, 11, 12, 13] and not block.closed and ended == 0
+
+    from specgrammar_vllm.draft_proposer import _Plan
+
+    prop, _ = _bare_proposer(vocab, 5)
+    prop._confidence = 0.2
+    blocks = [DraftBlock([1], TableMatcher([full] * (k + 1), vocab), vocab, k, lazy=True) for _ in range(5)]
+    blocks[3].closed = True
+    temps = [1.0, 0.0, 0.7, 1.0, 1.0]
+    rows = [_Row(f"r{i}", SimpleNamespace(grammar=True), b, t) for i, (b, t) in enumerate(zip(blocks, temps))]
+    rows[4].block = None
+    plan = _Plan()
+    plan.model[:] = [0, 1, 2, 3, 4]
+    step = _Step(rows, k)
+    assert prop._unsure(step, plan) == [0, 2]  # not greedy 1, closed 3, no grammar drafts 4
+    step.pos = k - 1
+    assert prop._unsure(step, plan) == []
+    step.pos = 0
+    prop._confidence = None
+    assert prop._unsure(step, plan) == []
+
+
+def test_draft_probability_is_the_tempered_law_of_the_drawn_token():
+    """``_probability_of``: the rows asked for, each one's probability of its token under softmax(logits / T), T its
+    request's temperature; held against the law computed in float64 with numpy.  The logits are left as they
+    were."""
+    import numpy as np
+    import torch
+
+    from specgrammar_vllm.draft_proposer import _probability_of
+
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((6, 50)) * 4
+    x = torch.tensor(logits, dtype=torch.float32)
+    before = x.clone()
+    rows, temps = [0, 2, 3, 5], [1.0, 0.5, 2.0, 0.7]
+    tokens = [int(t) for t in rng.integers(0, 50, size=len(rows))]
+    got = _probability_of(x, rows, tokens, temps)
+    assert sorted(got) == rows and torch.equal(x, before)
+    for i, d, t in zip(rows, tokens, temps):
+        z = logits[i] / t
+        want = np.exp(z[d] - z.max()) / np.exp(z - z.max()).sum()
+        assert abs(got[i] - want) < 1e-5, (i, got[i], want)
+
+
+def test_draft_confidence_option_is_checked():
+    from specgrammar_vllm.draft_proposer import DRAFT_CONFIDENCE, draft_confidence_option
+
+    assert draft_confidence_option({}) == DRAFT_CONFIDENCE
+    assert draft_confidence_option({"draft_confidence": None}) is None
+    assert draft_confidence_option({"draft_confidence": 0}) is None
+    assert draft_confidence_option({"draft_confidence": 0.35}) == 0.35
+    for bad in (-0.1, 1, 1.5, "0.2", True):
+        with pytest.raises(ValueError, match="draft_confidence"):
+            draft_confidence_option({"draft_confidence": bad})
 
 
 def test_the_host_chain_runs_once_per_block_length():

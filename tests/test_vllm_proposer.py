@@ -77,7 +77,14 @@ def engines():
             drafter.take_last_draft_probs = counting_take
         return ns.model
 
+    def add_model_argmax():  # vLLM's default draft sampling: argmax drafts, verified as one-hot laws
+        if getattr(ns, "model_argmax", None) is None:
+            ns.model_argmax = make_llm(TARGET, method="grammar", k=K, draft_model=str(tiny_path("draft")))
+            ns.model_argmax_proposer = proposer_of(ns.model_argmax)
+        return ns.model_argmax
+
     ns.add_model = add_model
+    ns.add_model_argmax = add_model_argmax
     return ns
 
 
@@ -210,7 +217,7 @@ def _sample_law(llm, few_at_a_time: bool = False):
     return Counter(tuple(o.outputs[0].token_ids) for o in outs)
 
 
-@pytest.mark.parametrize("which", ["grammar", "model", "model_few_at_a_time"])
+@pytest.mark.parametrize("which", ["grammar", "model", "model_few_at_a_time", "model_argmax"])
 def test_output_law_at_positive_temperature_matches_plain(engines, law_plain, which):
     """Two-sample chi-square on whole outputs (token sequences) at T = 1: N = 400 per engine, categories with
     fewer than 5 expected pooled; fails at p < 1e-3 (false-alarm rate 0.1% when the laws are equal).  Without the
@@ -219,18 +226,29 @@ def test_output_law_at_positive_temperature_matches_plain(engines, law_plain, wh
     drawn from, the masked law (a wrong r biases the output; no r at all would be exact but accept less).
     ``model_few_at_a_time`` sends the requests four at a time, so that positions where every draft is a host draft
     (one-hot laws, no logits computed) and steps whose remaining draft-model passes are skipped (drafts assembled
-    from the drafted positions and the host drafts) happen, and are held to the same law."""
+    from the drafted positions and the host drafts) happen, and are held to the same law.  ``model_argmax``: vLLM's
+    default draft sampling (argmax drafts, verified as one-hot laws).  With sampled drafts some requests' drafts end
+    where the draft model's probability of reaching the next position falls below ``draft_confidence``."""
     from scipy.stats import chi2_contingency
 
-    engines.add_model()
-    llm, prop = (engines.spec, engines.proposer) if which == "grammar" else (engines.model, engines.model_proposer)
-    before, handed = dict(prop.counters), (engines.handed.with_probs if which != "grammar" else 0)
+    if which == "grammar":
+        llm, prop = engines.spec, engines.proposer
+    elif which == "model_argmax":
+        llm, prop = engines.add_model_argmax(), engines.model_argmax_proposer
+    else:
+        llm, prop = engines.add_model(), engines.model_proposer
+    before = dict(prop.counters)
+    handed = engines.handed.with_probs if which in ("model", "model_few_at_a_time") else 0
     a, b = law_plain, _sample_law(llm, few_at_a_time=which == "model_few_at_a_time")
     drafted = prop.counters["verified_draft_tokens"] - before["verified_draft_tokens"]
     accepted = prop.counters["accepted_tokens"] - before["accepted_tokens"]
     assert drafted > 0 and accepted > 0
-    if which != "grammar":  # the draft model's tokens were verified against their proposal law
+    if which in ("model", "model_few_at_a_time"):  # the draft model's tokens were verified against their law
         assert engines.handed.with_probs > handed, engines.handed
+    if which in ("model", "model_few_at_a_time"):  # (draft_confidence ended some requests' drafts early: the
+        # sampled drafts; the argmax drafts here are likely enough that none ends, on schemas some do:
+        # test_draft_confidence_option_reaches_the_proposer_through_vllms_config)
+        assert prop.counters["draft_rows_unlikely"] > before["draft_rows_unlikely"]
     if which == "model_few_at_a_time":
         for c in ("draft_passes_skipped", "positions_without_logits"):
             assert prop.counters[c] > before[c], c

@@ -21,6 +21,9 @@ at :630, :651 and :762):
              whose matcher takes it or refuses it without a mask; only the refused rows get their mask filled
              and their masked argmax taken (``_lazy``: the same tokens as masking every row); a refused position
              is a request's last draft at the step (option ``"refused_drafts"``, ``REFUSED_DRAFTS``)
+    either way: a sampled request's drafts end at the step after the model draft where the product of the draft
+             model's probabilities of its drafts (at the request's temperature) falls below ``"draft_confidence"``
+             (``DRAFT_CONFIDENCE``): the chance the next position is even reached
     sampled drafts: every model row's mask filled; bitmask [B, V/32] (the host draft's one-hot row, else the
              grammar's row, else all ones: no grammar, drafts as vLLM's own) -> one H2D copy, xgrammar's
              ``apply_token_bitmask_inplace`` (the kernel vLLM's structured outputs mask the target with), then
@@ -69,6 +72,10 @@ CPU_KERNEL_MAX_VOCAB = 8192
 # schemas), so the positions after it are rarely reached, yet each costs a draft pass and a verification slot.  A
 # request's drafts end after this many refused positions per step (option "refused_drafts"; None: up to k)
 REFUSED_DRAFTS = 1
+_GREEDY_T = 1e-5  # vLLM's _SAMPLING_EPS: a row with a temperature below it is greedy (gpu_input_batch.py stores 0)
+# A request's drafts also end after a model draft when the chance the next position is reached falls below this:
+# the product of the draft model's probabilities of its drafts at this step (option "draft_confidence"; None: off)
+DRAFT_CONFIDENCE = 0.2
 
 
 def why_not_grammar(vllm_config, runner) -> str | None:
@@ -92,15 +99,17 @@ def why_not_grammar(vllm_config, runner) -> str | None:
 class _Row:
     """One batch row's drafting at this step: its request state and draft block (None: no grammar drafts)."""
 
-    __slots__ = ("req_id", "st", "block", "real", "tried", "refused")
+    __slots__ = ("req_id", "st", "block", "real", "tried", "refused", "reach", "temperature")
 
-    def __init__(self, req_id, st, block):
+    def __init__(self, req_id, st, block, temperature: float = 0.0):
         self.req_id = req_id
+        self.temperature = temperature  # the request's sampling temperature (below _GREEDY_T: greedy)
         self.st = st
         self.block = block
         self.real = 0  # leading positions whose drafted token is the block's (the request's real drafts)
         self.tried = -1  # the block length at which the host chain last ran and stopped (it would stop there again)
         self.refused = 0  # positions at this step where the grammar refused the draft model's argmax
+        self.reach = 1.0  # the product of the draft model's probabilities of its drafts at this step
 
     def chain(self, j: int) -> None:
         """Run the request's host chain (forced tokens, jump-forward strings, recipes) until the block has a token
@@ -152,8 +161,20 @@ def refused_drafts_option(opts: dict) -> int | None:
     return n
 
 
+def draft_confidence_option(opts: dict) -> float | None:
+    """The option ``"draft_confidence"``: a request's drafts end at a step after the model draft where the product of
+    the draft model's probabilities of its drafts falls below this (0 or None: never)."""
+    x = opts.get("draft_confidence", DRAFT_CONFIDENCE)
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < 1:
+        raise ValueError(f'the specgrammar option "draft_confidence" must be a number in [0, 1) or null, got {x!r}')
+    return float(x) or None
+
+
 class GrammarDraftProposer(DraftModelProposer):
     _refused_drafts: int | None = REFUSED_DRAFTS
+    _confidence: float | None = DRAFT_CONFIDENCE
 
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
@@ -166,6 +187,7 @@ class GrammarDraftProposer(DraftModelProposer):
             try:
                 grammar = GrammarStates(vllm_config)
                 self._refused_drafts = refused_drafts_option(grammar.options)
+                self._confidence = draft_confidence_option(grammar.options)
                 self.grammar = grammar
             except Exception as e:  # an unsupported version or a bad option: vLLM's own proposer, said loudly
                 reason = f"{type(e).__name__}: {e}"
@@ -237,6 +259,7 @@ class GrammarDraftProposer(DraftModelProposer):
         t1 = time.perf_counter_ns()
         apply_ns = 0
         toks = None  # the position's tokens on the host, where this method already has them
+        conf = None  # each row's draft-model probability of its drawn token (``draft_confidence``), or None
         if plan is not None and plan.known is not None:  # every row's draft is a host draft (or nothing)
             g.counters["positions_without_logits"] += 1
             toks = plan.known
@@ -257,6 +280,10 @@ class GrammarDraftProposer(DraftModelProposer):
                     am = logits.argmax(dim=-1)  # vLLM's own draft (not counted as ours)
                     a0 = time.perf_counter_ns()
                     tokens, toks = self._lazy(logits, plan, step.rows, am)
+                    unsure = self._unsure(step, plan)
+                    if unsure:
+                        conf = _probability_of(logits, unsure, [toks[i] for i in unsure],
+                                               [step.rows[i].temperature for i in unsure])
             except Exception as e:  # the rest of this step drafts as vLLM's own from these logits (verified: exact;
                 g.fault("drawing a draft position", e)  # _finish cuts each request's drafts where its block ends)
                 self._end_grammar(step)
@@ -267,12 +294,17 @@ class GrammarDraftProposer(DraftModelProposer):
                 probs = None
             elif probabilistic:
                 tokens, probs = self._sample_from_logits(logits, sampling_metadata)
+                unsure = self._unsure(step, plan) if plan is not None else None
+                if unsure:  # the masked law's own probabilities
+                    idx = torch.tensor(unsure, dtype=torch.int64).to(probs.device, non_blocking=True)
+                    got = probs.index_select(0, idx).gather(1, tokens.index_select(0, idx).view(-1, 1).to(torch.int64))
+                    conf = dict(zip(unsure, got.view(-1).tolist()))
             else:
                 tokens, probs = logits.argmax(dim=-1), None
         t2 = time.perf_counter_ns()
         enough = False
         try:
-            self._advance(step, toks if toks is not None else tokens.tolist())
+            self._advance(step, toks if toks is not None else tokens.tolist(), conf)
             step.tokens.append(tokens)
             step.probs.append(probs)
             step.pos += 1
@@ -423,6 +455,7 @@ class GrammarDraftProposer(DraftModelProposer):
         num_reqs = ib.num_reqs
         sampled = sampled_token_ids[:num_reqs].tolist()  # [B][k+1], -1 after the accepted ones
         discard = discard_mask[:num_reqs].tolist()
+        temps = ib.temperature_cpu[:num_reqs]  # (0 for a greedy request: gpu_input_batch.py)
         g.prune(requests)
         rows: list[_Row | None] = []
         for i in range(num_reqs):
@@ -440,7 +473,7 @@ class GrammarDraftProposer(DraftModelProposer):
                     context = np.concatenate([ib.token_ids_cpu[i, :n],
                                               np.asarray(valid, dtype=ib.token_ids_cpu.dtype)])
                     block = g.begin(st, context, len(context), k)
-                rows.append(_Row(req_id, st, block))
+                rows.append(_Row(req_id, st, block, float(temps[i])))
             except Exception as e:  # this request drafts as vLLM's own
                 g.fault("starting its draft step", e, req_id)
                 rows.append(_Row(req_id, None, None))
@@ -488,11 +521,15 @@ class GrammarDraftProposer(DraftModelProposer):
         plan.known = known
         return plan
 
-    def _advance(self, step: _Step, tokens: list[int]) -> None:
+    def _advance(self, step: _Step, tokens: list[int], conf: dict[int, float] | None = None) -> None:
         """Push the model's draft of position ``step.pos`` onto each block that has no token there yet (a host
         draft, or an argmax draft ``_lazy`` pushed, has), and count the positions where the drafted token is the
-        block's."""
+        block's.  ``conf``: row -> the draft model's probability of its token (``_unsure``'s rows); a request whose
+        product of them at this step falls below ``_confidence`` drafts nothing more at this step (that draft is
+        its last: ``draft_confidence``)."""
         j = step.pos
+        low = self._confidence
+        ended = 0
         for i, r in enumerate(step.rows):
             b = r.block if r is not None else None
             if b is None:
@@ -502,6 +539,27 @@ class GrammarDraftProposer(DraftModelProposer):
                 b.closed = True  # outside the mask: cannot happen after masking
             if r.real == j and len(b.tokens) > j and b.tokens[j] == t:
                 r.real += 1
+                if conf and i in conf and low is not None and b.sources[j] == "model" and not b.closed:
+                    r.reach *= conf[i]
+                    if r.reach < low:
+                        b.closed = True
+                        ended += 1
+        if ended:
+            self.grammar.counters["draft_rows_unlikely"] += ended
+
+    def _unsure(self, step: _Step, plan: "_Plan") -> list[int]:
+        """The rows whose draft-model probability ``draft_confidence`` needs at this position: model rows of sampled
+        requests (a greedy request's argmax draft is accepted or not by the target's argmax, not by chance) whose
+        drafts go on, before the last position (nothing follows it)."""
+        if self._confidence is None or step.pos >= step.k - 1:
+            return []
+        rows = step.rows
+        out = []
+        for i in plan.model:
+            r = rows[i]
+            if r.temperature >= _GREEDY_T and r.block is not None and not r.block.closed:
+                out.append(i)
+        return out
 
     def _needs_model(self, step: _Step) -> bool:
         """Whether any request needs a draft-model token at position ``step.pos`` or later: one without grammar
@@ -583,6 +641,19 @@ class GrammarDraftProposer(DraftModelProposer):
         for r in step.rows:
             if r is not None and r.block is not None:
                 r.block.closed = True
+
+
+def _probability_of(logits, rows: list[int], tokens: list[int], temperatures: list[float]) -> dict[int, float]:
+    """Row ``rows[n]``'s probability of ``tokens[n]`` under softmax(logits[row] / temperatures[n]): the draft model's
+    own law at the temperature the target samples with, so near the chance the target accepts the token (for a row
+    masked by its grammar, a lower bound of the masked law's).  Only the rows asked for (a log-softmax over [V] per
+    row: at 151,936 tokens ~0.5 ms a row on a CPU core), one copy to the host."""
+    device = logits.device
+    idx = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+    scaled = logits.index_select(0, idx)
+    scaled.div_(torch.tensor(temperatures, dtype=scaled.dtype).view(-1, 1).to(device, non_blocking=True))
+    tok = torch.tensor(tokens, dtype=torch.int64).view(-1, 1).to(device, non_blocking=True)
+    return dict(zip(rows, torch.log_softmax(scaled, dim=-1).gather(1, tok).view(-1).exp().tolist()))
 
 
 def _until_negative(row):

@@ -28,7 +28,8 @@ change in memory on the supported versions (``wiring.py``).  Without a runner th
 
 Options (``--additional-config '{"specgrammar": {...}}'``): ``drafters`` (default forced, recipe), ``recipe`` (a
 pack file or shipped pack name), ``recipes_dir`` (a folder of packs requests may name), ``engine``,
-``engine_options``, and for the draft-model path ``refused_drafts`` (``draft_proposer.REFUSED_DRAFTS``).  Per
+``engine_options``, and for the draft-model path ``refused_drafts`` (``draft_proposer.REFUSED_DRAFTS``) and
+``draft_confidence`` (``draft_proposer.DRAFT_CONFIDENCE``).  Per
 request, ``SamplingParams(extra_args={"specgrammar": {"recipe": ..., "drafters": [...]}})`` (or the same object as a
 JSON string: the launcher passes a request's ``specgrammar`` as ``vllm_xargs``) overrides ``recipe`` (a pack
 *name*: ``recipes_dir``, then the shipped packs; never a path) and ``drafters``.  Requests without
@@ -64,7 +65,7 @@ DEFAULT_DRAFTERS = ("forced", "recipe")
 COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
             "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "proposer_errors",
             "draft_passes", "draft_passes_skipped", "positions_without_logits", "budget_cut_off",
-            "draft_rows_unmasked", "draft_rows_masked", "draft_rows_ended")
+            "draft_rows_unmasked", "draft_rows_masked", "draft_rows_ended", "draft_rows_unlikely")
 MOVED_DRAFT_MODEL = (
     "the specgrammar option 'draft_model' is gone: give the draft model to vLLM instead, "
     "--speculative-config '{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K}' "
