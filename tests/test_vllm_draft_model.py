@@ -157,11 +157,10 @@ def test_draft_confidence_option_reaches_the_proposer_through_vllms_config(runs,
     reaching the next position falls below it; ``--additional-config '{"specgrammar": {"draft_confidence": null}}'``
     ends none.  (Exactness with it on: the draft-model cases of ``test_output_law_at_positive_temperature_matches_plain``
     in test_vllm_proposer.py.)"""
+    from specgrammar_plugins.bench.vllm_host import jsb_examples
     from specgrammar_vllm.offline import sampling_params
 
     prompts, _ = schemas
-    from specgrammar_plugins.bench.vllm_host import jsb_examples
-
     hot = [sampling_params(spec, temperature=1.0, max_tokens=MAX_TOKENS) for _, spec, _ in jsb_examples(N_SCHEMAS)]
     off = make_llm(tiny_path("target"), method="grammar", k=K, draft_model=str(tiny_path("draft")),
                    specgrammar={"draft_confidence": None})

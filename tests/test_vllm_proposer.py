@@ -243,11 +243,10 @@ def test_output_law_at_positive_temperature_matches_plain(engines, law_plain, wh
     drafted = prop.counters["verified_draft_tokens"] - before["verified_draft_tokens"]
     accepted = prop.counters["accepted_tokens"] - before["accepted_tokens"]
     assert drafted > 0 and accepted > 0
-    if which in ("model", "model_few_at_a_time"):  # the draft model's tokens were verified against their law
+    if which in ("model", "model_few_at_a_time"):  # the draft model's tokens were verified against their law,
         assert engines.handed.with_probs > handed, engines.handed
-    if which in ("model", "model_few_at_a_time"):  # (draft_confidence ended some requests' drafts early: the
-        # sampled drafts; the argmax drafts here are likely enough that none ends, on schemas some do:
-        # test_draft_confidence_option_reaches_the_proposer_through_vllms_config)
+        # and draft_confidence ended some requests' drafts early (the argmax drafts here are likely enough that
+        # none ends; on schemas some do: test_draft_confidence_option_reaches_the_proposer_through_vllms_config)
         assert prop.counters["draft_rows_unlikely"] > before["draft_rows_unlikely"]
     if which == "model_few_at_a_time":
         for c in ("draft_passes_skipped", "positions_without_logits"):

@@ -29,10 +29,10 @@ change in memory on the supported versions (``wiring.py``).  Without a runner th
 Options (``--additional-config '{"specgrammar": {...}}'``): ``drafters`` (default forced, recipe), ``recipe`` (a
 pack file or shipped pack name), ``recipes_dir`` (a folder of packs requests may name), ``engine``,
 ``engine_options``, and for the draft-model path ``refused_drafts`` (``draft_proposer.REFUSED_DRAFTS``) and
-``draft_confidence`` (``draft_proposer.DRAFT_CONFIDENCE``).  Per
-request, ``SamplingParams(extra_args={"specgrammar": {"recipe": ..., "drafters": [...]}})`` (or the same object as a
-JSON string: the launcher passes a request's ``specgrammar`` as ``vllm_xargs``) overrides ``recipe`` (a pack
-*name*: ``recipes_dir``, then the shipped packs; never a path) and ``drafters``.  Requests without
+``draft_confidence`` (``draft_proposer.DRAFT_CONFIDENCE``).  Per request, ``SamplingParams(extra_args={"specgrammar":
+{"recipe": ..., "drafters": [...]}})`` (or the same object as a JSON string: the launcher passes a request's
+``specgrammar`` as ``vllm_xargs``) overrides ``recipe`` (a pack *name*: ``recipes_dir``, then the shipped packs;
+never a path) and ``drafters``.  Requests without
 structured outputs get no host drafts.  A fault in our code while drafting for a request (``fault``) is logged and
 counted, and that request gets no more grammar drafts; it never reaches vLLM's EngineCore.  Request state follows the runner's own: it is dropped as soon as a request
 leaves ``runner.requests`` (finished or aborted), checked at every step.
