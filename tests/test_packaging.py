@@ -23,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_package_list_matches_the_folders():
-    """``[tool.setuptools] packages`` is written out by hand (the data packages map top-level folders): every
-    package folder on disk must be in it, and every entry must exist."""
+    """``[tool.setuptools] packages`` is written out by hand (the data packages map top-level folders, and the
+    model folders are data packages of their own): every package folder on disk, and every folder of data files
+    under the core, must be in it, and every entry must exist (setuptools warns of a folder it could import but
+    was not told about)."""
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed, dirs = set(cfg["packages"]), cfg["package-dir"]
     on_disk = set()
@@ -35,6 +37,9 @@ def test_the_package_list_matches_the_folders():
             rel = init.parent.relative_to(where)
             if "__pycache__" not in rel.parts and rel.parts:
                 on_disk.add(".".join((top, *rel.parts)))
+    for folder in (ROOT / "src" / "specgrammar_plugins" / "models").rglob("*"):
+        if folder.is_dir() and "__pycache__" not in folder.parts and any(f.is_file() for f in folder.iterdir()):
+            on_disk.add(".".join(("specgrammar_plugins", *folder.relative_to(ROOT / "src" / "specgrammar_plugins").parts)))
     on_disk |= {"specgrammar_plugins.recipes.shipped", "specgrammar_plugins.patches"}
     assert listed == on_disk, f"listed but absent: {listed - on_disk}; on disk but not listed: {on_disk - listed}"
     for pkg, folder in dirs.items():
