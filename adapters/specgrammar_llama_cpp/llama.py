@@ -42,7 +42,8 @@ import numpy as np
 from llama_cpp import Llama, LogitsProcessorList
 
 from specgrammar_plugins.api import (DEFAULT_DRAFTERS, GREEDY, ConstraintError, ConstraintSpec, Host, SamplingParams,
-                                     SpecOptions, check_budget, check_request, make_loop, resolve_pack_name, with_defaults)
+                                     SpecOptions, check_budget, check_request, make_loop, resolve_model, resolve_pack_name,
+                                     with_defaults)
 
 from .grammar import ValidatedGrammar, compile_for
 from .runner import LlamaRunner, tokenizer_info
@@ -83,8 +84,9 @@ def bias_processor(logit_bias: dict) -> Any:
 class SpecLlama(Llama):
     """``llama_cpp.Llama`` with grammar-aware speculative decoding in ``generate()``.
 
-    draft: a ``Llama`` or a GGUF path for the draft model (same vocabulary); None drafts only forced tokens /
-        recipes.  A path is loaded with this model's ``n_ctx``, ``n_batch`` and thread counts.
+    model_path: a GGUF path, or a model name (``smollm2-135m``, ``tiny``: ``api.resolve_model``).
+    draft: a ``Llama``, a GGUF path or a model name for the draft model (same vocabulary); None drafts only forced
+        tokens / recipes.  A path is loaded with this model's ``n_ctx``, ``n_batch`` and thread counts.
     k: draft tokens per round (a request's ``specgrammar.k`` overrides it); drafters: the chain, in order.
     engine: the grammar engine (default: the core's, xgrammar).  blind_draft: draft without the grammar mask
         (only for benchmarks that reproduce the blind-draft problem).  recipe: a pack (path or shipped name) used
@@ -100,8 +102,9 @@ class SpecLlama(Llama):
                  **kwargs):
         if kwargs.get("draft_model") is not None:
             raise ValueError("SpecLlama drafts itself: pass draft=<Llama or GGUF path> instead of draft_model=")
-        super().__init__(model_path, *args, **kwargs)
+        super().__init__(str(resolve_model(model_path, "llama_cpp")), *args, **kwargs)
         if draft is not None and not isinstance(draft, Llama):
+            draft = resolve_model(draft, "llama_cpp")
             dk = dict(n_ctx=self.n_ctx(), n_batch=self.n_batch, n_threads=self.n_threads,
                       n_threads_batch=self.n_threads_batch, verbose=False)
             dk.update(draft_kwargs or {})

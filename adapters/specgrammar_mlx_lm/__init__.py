@@ -1,6 +1,7 @@
 """The mlx-lm adapter: ``MLXRunner`` (ModelRunner over an mlx-lm model and its KV cache), a ``stream_generate``
 twin running the core speculative loop, the history-keyed ``GrammarLogitsProcessor`` for mlx-lm's own loops,
-the ``mlx_lm.server --plugin specgrammar`` plugin and ``specgrammar patch mlx-lm``.
+the ``mlx_lm.server --plugin specgrammar`` plugin, ``specgrammar patch mlx-lm`` and ``load`` (``mlx_lm.load`` by
+model name, e.g. ``load("smollm2-135m")``, or path).
 
 mlx and mlx-lm are imported lazily: importing this package needs neither.
 """
@@ -17,6 +18,8 @@ _EXPORTS = {
     "GrammarLogitsProcessor": ".processor",
     "grammar_logits_processor": ".processor",
     "tokenizer_info": ".processor",
+    "load": ".loading",
+    "model_folder": ".loading",
 }
 
 

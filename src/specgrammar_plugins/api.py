@@ -13,6 +13,9 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
 - the law and the verifier: ``SamplingParams``, ``GREEDY``, ``log_law``, ``verify_block`` (the reference), and
   ``law_backend(name)``: the same law and verifier where the logits live (``numpy``, ``mlx``, ``torch``);
 - the gate every host runs on a request first: ``check_request`` with the host's ``Host`` -> ``Checked``;
+- ``resolve_model``: a model by name (``smollm2-135m``, ``tiny``, ...) or path -> what a host loads (a GGUF for
+  ``llama_cpp``, a transformers folder for ``mlx_lm`` / ``vllm``; ``models.real``), ``is_model_name``,
+  ``ModelNotInstalled``, ``UnknownModelError``;
 - ``patch_path``: a shipped host patch (``patches/``); ``resolve_pack``: a recipe pack by path or shipped name (the
   operator's options); ``resolve_pack_name``: the pack a request names (a name only: the server's pack directory,
   then the shipped packs);
@@ -33,6 +36,8 @@ from .laws import LawBackend
 from .laws import get as law_backend
 from .loop import Commit, SpeculativeLoop, Stats
 from .masks import allowed_ids, mask_allows, mask_words, new_mask, set_bit, unpack_mask
+from .models.real import ModelNotInstalled, UnknownModelError, is_model_name
+from .models.real import resolve as resolve_model
 from .resources import patch_path
 from .plugins import drafters as registered_drafters
 from .prefix import common_prefix_len, sync_runner
@@ -45,11 +50,11 @@ from .verify import Verdict, verify_block
 __all__ = [
     "BudgetError", "COMPILE_POOL", "Checked", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
     "DraftBlock", "Drafter", "EmptyMaskError", "Forced", "GREEDY", "HistoryMatcher", "Host", "LIMITS", "LawBackend",
-    "MaskProcessor", "Matcher", "ModelRunner", "RecipePackError", "RequestBoundary", "RequestError", "SamplingParams",
+    "MaskProcessor", "Matcher", "ModelNotInstalled", "ModelRunner", "RecipePackError", "RequestBoundary", "RequestError", "SamplingParams",
     "SpecGrammarError", "SpecOptions", "SpeculativeLoop", "Stats", "StopOnlyMask", "TokenizerInfo",
-    "TokenizerMismatchError", "Verdict", "budget_of", "check_budget", "check_request", "common_prefix_len", "compile_constraint", "fill",
-    "allowed_ids", "law_backend", "log_law", "make_drafter", "make_loop", "mask_allows", "mask_words", "new_mask",
-    "parse_request", "patch_path", "registered_drafters", "resolve_pack", "resolve_pack_name", "set_bit",
+    "TokenizerMismatchError", "UnknownModelError", "Verdict", "budget_of", "check_budget", "check_request", "common_prefix_len", "compile_constraint", "fill",
+    "allowed_ids", "is_model_name", "law_backend", "log_law", "make_drafter", "make_loop", "mask_allows", "mask_words", "new_mask",
+    "parse_request", "patch_path", "registered_drafters", "resolve_model", "resolve_pack", "resolve_pack_name", "set_bit",
     "sync_runner", "unpack_mask", "verify_block",
     "with_defaults",
 ]

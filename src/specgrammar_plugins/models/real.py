@@ -147,9 +147,32 @@ def _fix_config(folder: Path) -> None:
         if theta is None:
             raise RuntimeError(f"{p}: no rope_theta in config.json or its rope_parameters ({rp!r})")
         cfg["rope_theta"] = theta
+    cfg.pop("quantization_config", None)
     cfg["torch_dtype"] = "float32"
     cfg.setdefault("dtype", "float32")
     p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _drop_gguf_quantizer(model, gguf: Path) -> None:
+    """transformers 5 loads a GGUF through its GGUF quantizer, which (without GGUF kernels, as on this CPU)
+    de-quantizes every weight into a dense float32 tensor but stays attached, and ``save_pretrained`` refuses a
+    model with a non-serializable quantizer.  Check that nothing is left in GGUF blocks, then detach it (and its
+    ``quantization_config``, which vLLM and mlx-lm would read as a quantized checkpoint)."""
+    import torch
+
+    packed = sorted({type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()})
+    odd = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+    if packed or odd:
+        raise RuntimeError(f"{gguf}: transformers kept GGUF-packed weights ({packed or odd}); this converter "
+                           "needs the de-quantized float32 weights")
+    model.hf_quantizer = None
+    for attr in ("is_quantized", "quantization_method"):
+        if hasattr(model, attr):
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(model, attr, False if attr == "is_quantized" else None)
+    if hasattr(model.config, "quantization_config"):
+        with contextlib.suppress(AttributeError):
+            delattr(model.config, "quantization_config")
 
 
 def _convert(gguf: Path, out: Path, progress: bool) -> None:
@@ -178,6 +201,7 @@ def _convert(gguf: Path, out: Path, progress: bool) -> None:
         except TypeError:  # transformers 4.x spells it torch_dtype
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                          torch_dtype=torch.float32)
+        _drop_gguf_quantizer(model, gguf)
         bar.update()
         bar.set_postfix_str(steps[2])
         model.save_pretrained(str(out), safe_serialization=True)
@@ -207,6 +231,7 @@ def smollm2_hf_folder(progress: bool = True) -> Path:
             return dest
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2}-", dir=dest.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private
         try:
             _convert(gguf, tmp, progress)
             stamp["seconds"] = round(time.perf_counter() - t0, 1)
