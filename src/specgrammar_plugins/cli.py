@@ -1,4 +1,4 @@
-"""The ``specgrammar`` command: demo, bench, check, recipes, patch.
+"""The ``specgrammar`` command: demo, bench, check, recipes, patch, soak, models.
 
 Each subcommand lives in its own module and is imported only when run, so ``specgrammar --help`` is instant and
 needs no host stack.
@@ -12,12 +12,13 @@ import sys
 
 COMMANDS = {
     # name: (module, help)
-    "demo": ("specgrammar_plugins.demo", "run grammar-aware speculative decoding on the bundled tiny models"),
+    "demo": ("specgrammar_plugins.demo", "run grammar-aware speculative decoding on the real model (--tiny: the bundled pair)"),
     "bench": ("specgrammar_plugins.bench", "benchmarks: masks, strategies, recipes, scale"),
     "check": ("specgrammar_plugins.check", "compile a schema/grammar/regex with each engine and report"),
     "recipes": ("specgrammar_plugins.recipes_cli", "build, inspect, merge and measure recipe packs"),
     "patch": ("specgrammar_mlx_lm.patch", "apply (or --revert) the host patch: patch mlx-lm"),
     "soak": ("specgrammar_plugins.soak", "mixed-request soak of a server: validity, 400s, latency, RSS"),
+    "models": ("specgrammar_plugins.models_cli", "models by name: list them, convert the real model once"),
 }
 
 
