@@ -42,11 +42,14 @@ not budgeted (``make_budget`` returns None).
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 import numpy as np
 
+from .bounds import Deadline, deadline as current_deadline
 from .constraint import CompiledConstraint
 from .cost import RegularCost, _Scan, regular_form
 from .engines._common import GreedyBytes, PerTokenizerCache
@@ -133,9 +136,9 @@ class ExactBudget(Budget):
 
     mode = "exact"
 
-    def __init__(self, compiled: CompiledConstraint, budget: int, pattern: str):
+    def __init__(self, compiled: CompiledConstraint, budget: int, pattern: str, deadline=None):
         super().__init__(budget)
-        self.cost = RegularCost(compiled.spec, compiled.tokenizer, pattern=pattern)
+        self.cost = RegularCost(compiled.spec, compiled.tokenizer, pattern=pattern, deadline=deadline)
         self.width = compiled.tokenizer.vocab_size
         self.shortest = self.cost.cost_to_go([])
         self._rows: dict[tuple, np.ndarray] = {}  # (state, k) -> packed row of the tokens with Delta <= k
@@ -295,6 +298,7 @@ class _WalkVocab:
     def __init__(self, tok: TokenizerInfo):
         stops = frozenset(tok.stop_token_ids)
         self.spell = GreedyBytes(tok)
+        self.max_bytes = max([1, *map(len, tok.token_bytes)])  # the most bytes one token spells
         single = {b[0]: i for i, b in enumerate(tok.token_bytes)
                   if len(b) == 1 and i not in tok.special_ids and i not in stops}
         order = list(_PRIORITY) + [b for b in range(256) if b not in _PRIORITY and b not in _WHITESPACE]
@@ -325,7 +329,7 @@ class CertifiedBudget(Budget):
     MAX_NAMES = 64
     MAX_WALK = 4096  # steps of the start's walk
 
-    def __init__(self, compiled: CompiledConstraint, budget: int):
+    def __init__(self, compiled: CompiledConstraint, budget: int, deadline=None):
         super().__init__(budget)
         tok = compiled.tokenizer
         self.tok = tok
@@ -333,6 +337,7 @@ class CertifiedBudget(Budget):
         self.stops = frozenset(tok.stop_token_ids)
         self.hm = HistoryMatcher(compiled)
         v = _VOCABS.get(tok)  # built once per tokenizer (~30 ms at 151,936 tokens)
+        self.max_bytes = v.max_bytes
         self.spell, self.prefer, self.prefer_in_string = v.spell, v.prefer, v.prefer_in_string
         self.prefer_after_digit, self.digits, self.enders, self.blanks = (v.prefer_after_digit, v.digits, v.enders,
                                                                           v.blanks)
@@ -347,12 +352,42 @@ class CertifiedBudget(Budget):
         # the committed path's certificates: _certs[i] certifies _path[:i]; _scans[i] scans its text
         self._path: list[int] = []
         self.hm.sync([])
-        # the start's certificate, however long (so that a refusal can name its length)
-        start = self._walk(self.hm.matcher, _Scan(), min(8 * self.budget + 64, self.MAX_WALK), 1 << 30)
+        # the start's certificate, however long (so that a refusal can name its length): computed once per
+        # (constraint, tokenizer, engine, budget) and kept (the handler, the generation thread and the loop of one
+        # request, and later requests, all ask for it; it is a function of those alone)
+        key = (compiled.spec.without_trigger().key(), compiled.engine, tok.fingerprint, tok.vocab_size, self.budget)
+        with _STARTS_LOCK:
+            hit = _STARTS.get(key, _MISSING)
+            if hit is not _MISSING:
+                _STARTS.move_to_end(key)
+        if hit is _MISSING:
+            start = self._start(compiled, deadline if deadline is not None else current_deadline())
+            with _STARTS_LOCK:
+                _STARTS[key] = start
+                while len(_STARTS) > 256:
+                    _STARTS.popitem(last=False)
+        else:
+            start = hit
         self._certs: list[tuple | None] = [start]
         self._scans: list[_Scan] = [_Scan()]
         self.shortest = len(start) if start is not None else INF
         self.lost = start is None  # nothing certified: no guarantee (the loop runs as without a budget)
+
+    def _start(self, compiled: CompiledConstraint, deadline) -> tuple | None:
+        """The start's certificate: a GBNF grammar's own shortest string (``bounds.gbnf_shortest``: fewest bytes,
+        found from the rules, so a recursive grammar such as ``root ::= "a" root | "b"`` gets its exact ``b``)
+        when the engine certifies it, else the greedy walk, under the request's deadline."""
+        m = self.hm.matcher
+        spec = compiled.spec
+        if spec.kind == "grammar" and spec.syntax == "gbnf":
+            from .bounds import gbnf_shortest
+
+            w = gbnf_shortest(spec.value, cap=min(self.budget * self.max_bytes, 1 << 16))
+            if w is not None:
+                c = self._spelled(w.encode("utf-8"), 1 << 30, m)
+                if c is not None:
+                    return c
+        return self._walk(m, _Scan(), min(8 * self.budget + 64, self.MAX_WALK), 1 << 30, deadline=deadline)
 
     # ---------------------------------------------------------------- certificates
     def _certify(self, m, ids: Sequence[int]) -> bool:
@@ -388,9 +423,11 @@ class CertifiedBudget(Budget):
     def _text(self, cert: Sequence[int]) -> bytes:
         return self.tok.decode([t for t in cert if t not in self.stops])
 
-    def _walk(self, m, scan: _Scan, steps: int, limit: int) -> tuple | None:
+    def _walk(self, m, scan: _Scan, steps: int, limit: int, deadline=None) -> tuple | None:
         """A completion from ``m``'s state by a greedy walk on the engine's masks (at most ``steps`` tokens),
-        re-spelled with longer tokens; returned if it fits in ``limit`` tokens (certified), else None."""
+        re-spelled with longer tokens; returned if it fits in ``limit`` tokens (certified), else None.  A forced
+        string is asked for at most the bytes the steps left can spell (never an uncapped jump-forward); the walk
+        answers to ``deadline`` (the request's, for the start's certificate)."""
         self.walks += 1
         f = m.fork()
         scan = scan.copy()
@@ -399,6 +436,9 @@ class CertifiedBudget(Budget):
         used: dict[int, int] = {}
         tb = self.tok.token_bytes
         while len(out) < steps:
+            if deadline is not None:
+                deadline.check("certifying the budget (the start's completion walk)", engine=self.hm.compiled.engine
+                               if hasattr(self.hm, "compiled") else None)
             f.fill_mask(row)
             if any(mask_allows(row, s) for s in self.stops if s < self.tok.vocab_size):
                 text = self.tok.decode(out)
@@ -406,7 +446,7 @@ class CertifiedBudget(Budget):
                 if best is None and len(out) + 1 <= limit:
                     best = tuple(out) + (self.stop,)
                 return best
-            jf = f.jump_forward()
+            jf = _jump(f, (steps - len(out)) * self.max_bytes)
             took = 0
             if jf:
                 for t in self.spell(jf) or ():
@@ -463,6 +503,9 @@ class CertifiedBudget(Budget):
             order = self.prefer_after_digit if chr(scan.last).isdigit() or scan.last == 0x2E else self.prefer
             allowed = allowed_among(row, order)
             if allowed:
+                if allowed[0] not in self.digits and used.get(allowed[0], 0) >= 8 and len(allowed) > 1:
+                    # the first choice again and again (``root ::= "a" root | "b"``, ``/a*b/``): the least used
+                    return [min(allowed, key=lambda t: used.get(t, 0))]
                 digits = [t for t in allowed if t in self.digits]
                 if allowed[0] in self.digits and used.get(allowed[0], 0) >= 8:  # 0.000... going nowhere
                     return [min(digits, key=lambda t: used.get(t, 0))]
@@ -557,6 +600,20 @@ class CertifiedBudget(Budget):
         return {**super().report(), "walks": self.walks, "certified": not self.lost}
 
 
+_STARTS: "OrderedDict[tuple, tuple | None]" = OrderedDict()  # CertifiedBudget's start certificates (LRU)
+_STARTS_LOCK = threading.Lock()
+_MISSING = object()
+_NOT_EXACT: "OrderedDict[tuple, None]" = OrderedDict()  # (pattern, tokenizer) whose exact budget failed or overran
+
+
+def _jump(m, limit: int) -> bytes:
+    """``m.jump_forward`` capped at ``limit`` bytes (a matcher written before the cap existed takes no limit)."""
+    try:
+        return m.jump_forward(limit)[:limit]
+    except TypeError:
+        return m.jump_forward()[:limit]
+
+
 # ------------------------------------------------------------------------------------------- the road
 def make_budget(compiled: CompiledConstraint | None, budget: int | None, *, exact_only: bool = False
                 ) -> Budget | None:
@@ -568,16 +625,21 @@ def make_budget(compiled: CompiledConstraint | None, budget: int | None, *, exac
         return None
     spec = compiled.spec
     guard: Budget | None = None
+    d = current_deadline()  # the request's (bounds.prepare_deadline), else one of this call's own
     pattern = exact_pattern(compiled)
-    if pattern is not None:
-        try:
-            guard = ExactBudget(compiled, budget, pattern)
-        except Exception:  # interegular cannot read it, or too many token-level states: certify instead
-            guard = None
+    nkey = (pattern, compiled.tokenizer.fingerprint, compiled.tokenizer.vocab_size)
+    if pattern is not None and nkey not in _NOT_EXACT:
+        try:  # the exact bound gets half the time left: the certified one must still fit after it
+            guard = ExactBudget(compiled, budget, pattern, deadline=Deadline(max(0.0, d.remaining()) / 2))
+        except Exception:  # interegular cannot read it, too many token-level states, or out of its time: certify
+            guard = None   # instead, and do not try this pattern again (bounded)
+            _NOT_EXACT[nkey] = None
+            while len(_NOT_EXACT) > 1024:
+                _NOT_EXACT.popitem(last=False)
     if guard is None and exact_only:
         return None
     if guard is None:
-        guard = CertifiedBudget(compiled, budget)
+        guard = CertifiedBudget(compiled, budget, deadline=d)
     if guard.shortest > guard.budget:
         if guard.shortest == INF:
             if guard.mode == "certified":

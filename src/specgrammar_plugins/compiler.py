@@ -105,6 +105,17 @@ class Limits:
     compile_timeout_s: float = float(os.environ.get("SPECGRAMMAR_COMPILE_TIMEOUT_S", 30.0))
     auto_try_s: float = 2.0
     compile_isolation: str = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "thread")
+    # issue 33: cheap bounds before any work and the one deadline per request (``bounds.py`` documents each)
+    max_repeat: int = int(os.environ.get("SPECGRAMMAR_MAX_REPEAT", 10_000))
+    max_expansion: int = int(os.environ.get("SPECGRAMMAR_MAX_EXPANSION", 100_000))
+    max_choices: int = int(os.environ.get("SPECGRAMMAR_MAX_CHOICES", 50_000))
+    max_rules: int = int(os.environ.get("SPECGRAMMAR_MAX_RULES", 1_000))
+    max_properties: int = int(os.environ.get("SPECGRAMMAR_MAX_PROPERTIES", 1_000))
+    max_items: int = int(os.environ.get("SPECGRAMMAR_MAX_ITEMS", 10_000))
+    max_forced_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_FORCED_BYTES", 1 << 20))
+    prepare_timeout_s: float = float(os.environ.get("SPECGRAMMAR_PREPARE_TIMEOUT_S", 5.0))
+    allow_client_chat_template: bool = os.environ.get("SPECGRAMMAR_ALLOW_CLIENT_CHAT_TEMPLATE", "0") == "1"
+    max_chat_template_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_CHAT_TEMPLATE_BYTES", 64 << 10))
 
 
 LIMITS = Limits()
@@ -174,6 +185,7 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: s
     default; spec option ``strict``): a keyword the engine does not enforce is an error naming it and its JSON
     pointer (see ``schema.py``).  Raises ``ConstraintError`` with the engine's reason for anything it refuses.
     """
+    from .bounds import check_cost
     from .emptiness import check_not_empty
 
     engine = engine or default_engine(spec)
@@ -193,6 +205,7 @@ def compile_constraint(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: s
             why = too_deep(f"the {spec.kind}", constraint_depth(spec.kind, spec.value, spec.syntax))
             if why:  # engines and our walkers recurse per level: bounded before any of them runs
                 raise ConstraintError(why, engine=engine, kind=spec.kind)
+            check_cost(spec)  # counts, sizes, rules, forced lengths (bounds.py): before any engine or walker
             check_not_empty(spec, engine)  # a language with no string at all: refused before any engine runs
         return _compile_checked(spec, tokenizer, engine, cache, _timeout, options)
     except RecursionError:  # a shape the nesting bound does not measure: still a refusal, never a crash
@@ -213,6 +226,8 @@ def _compile_checked(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str
                                                                                     LIMITS.compile_timeout_s)
                 return compile_constraint(spec, tokenizer, name, cache, _timeout=timeout, _checked=True, **options)
             except ConstraintError as e:
+                if "preparation time limit" in e.reason:  # the request's deadline: no time for another engine
+                    raise
                 if "compile time limit" in e.reason:
                     if len(_SLOW) > 4096:
                         _SLOW.clear()
@@ -233,10 +248,20 @@ def _compile_checked(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str
     if spec.kind == "json_schema":
         target, rewrites = _rewritten_schema(target, engine)
     eng = get_engine(engine)
+    from .bounds import current, overrun
+
+    limit = LIMITS.compile_timeout_s if _timeout is None else _timeout
+    d = current()  # the request's deadline (bounds.prepare_deadline), when the host opened one
+    by_deadline = d is not None and d.remaining() < limit
+    if by_deadline:
+        limit = d.remaining()
+        if limit <= 0:
+            raise overrun(d.seconds, "compiling the constraint", engine=engine, kind=spec.kind)
     try:
-        hit = _compile_with_timeout(eng, target, tokenizer, options,
-                                    LIMITS.compile_timeout_s if _timeout is None else _timeout)
-    except ConstraintError:
+        hit = _compile_with_timeout(eng, target, tokenizer, options, limit)
+    except ConstraintError as e:
+        if by_deadline and "compile time limit" in e.reason:
+            raise overrun(d.seconds, "compiling the constraint", engine=engine, kind=spec.kind) from None
         raise
     except Exception as e:  # an engine's own exception type: report its words under ours
         raise ConstraintError(f"{type(e).__name__}: {e}", engine=engine, kind=spec.kind) from e

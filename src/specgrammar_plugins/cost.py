@@ -63,8 +63,13 @@ class RegularCost:
     """Exact fewest-tokens-to-termination for a regular constraint, from the reference DFA engine."""
 
     def __init__(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, token_cost: np.ndarray | None = None,
-                 fallback: "CostModel | None" = None, pattern: str | None = None):
+                 fallback: "CostModel | None" = None, pattern: str | None = None, deadline=None):
+        """``deadline`` (a ``bounds.Deadline``): the DFA's compile and the exploration stop there, with a
+        ``ConstraintError`` naming it (default: the request's, else a fresh ``prepare_timeout_s``)."""
+        from .bounds import deadline as current_deadline
         from .engines.dfa import DFAGrammar
+
+        self.deadline = deadline if deadline is not None else current_deadline()
 
         pattern = pattern or regular_form(spec)
         if pattern is None:
@@ -73,7 +78,10 @@ class RegularCost:
         self.tok = tokenizer
         self.width = tokenizer.vocab_size
         self.fallback = fallback  # for outputs that leave a regular sub-language of the constraint
-        self.compiled = compile_constraint(ConstraintSpec.regex(pattern), tokenizer, engine="dfa")
+        left = self.deadline.remaining()
+        if left <= 0:
+            self.deadline.check("the exact budget's DFA")
+        self.compiled = compile_constraint(ConstraintSpec.regex(pattern), tokenizer, engine="dfa", _timeout=left)
         g: DFAGrammar = self.compiled.compiled
         self.g = g
         self.token_cost = token_cost
@@ -121,8 +129,12 @@ class RegularCost:
     def _explore(self, start: tuple, partial: bool) -> None:
         seen = {start}
         todo = deque([start])
+        steps = 0
         while todo:
             st = todo.popleft()
+            steps += 1
+            if not steps & 63:  # the exploration is pure Python: it answers to the request's deadline
+                self.deadline.check("the exact budget's token-level graph (cost.RegularCost)")
             for n in self._edges(st).values():
                 if n not in seen and (partial or not n[1]):
                     seen.add(n)
@@ -235,7 +247,10 @@ def regular_form(spec: ConstraintSpec) -> str | None:
     if spec.kind == "grammar" and spec.syntax == "gbnf":
         from .gbnf import to_regex
 
-        return to_regex(spec.value)
+        try:
+            return to_regex(spec.value)
+        except RecursionError:  # rules chained deeper than Python's stack: not read as regular (certified instead)
+            return None
     return None
 
 

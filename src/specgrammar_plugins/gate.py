@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .bounds import check_cost, check_fit, check_text
 from .constraint import ConstraintSpec
 from .emptiness import check_not_empty
 from .errors import RequestError
@@ -85,6 +86,7 @@ class Host:
     default_max_tokens: int | None = None
     count_tokens: Callable[[dict], int] | None = field(default=None, compare=False)
     ranges: tuple[tuple[str, tuple[bool, float | None, float | None]], ...] = ()  # SAMPLING entries it replaces
+    client_templates: bool | None = None  # a client's own chat template: None = LIMITS.allow_client_chat_template
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,38 @@ def _stops(body: dict) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
         _bad("stop", f"must be a non-empty string or a list of at most {MAX_STOP} non-empty strings")
+    for s in stops:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            _bad("stop", "holds a lone surrogate (not a Unicode character: no UTF-8 text spells it)")
     return stops
+
+
+def _check_template(body: dict, host: Host) -> None:
+    """A chat template the client chose (``chat_template`` / ``chat_template_kwargs.chat_template``) is code the
+    server runs (jinja, with loops): refused unless the operator allows it (``Host.client_templates``, default
+    ``LIMITS.allow_client_chat_template``, ``SPECGRAMMAR_ALLOW_CLIENT_CHAT_TEMPLATE=1``), and then bounded in size
+    (``LIMITS.max_chat_template_bytes``, 64 KiB)."""
+    from .compiler import LIMITS
+
+    kw = body.get("chat_template_kwargs")
+    if kw is not None and not isinstance(kw, dict):
+        _bad("chat_template_kwargs", "must be an object")
+    for name, value in (("chat_template", body.get("chat_template")),
+                        ("chat_template_kwargs.chat_template", (kw or {}).get("chat_template"))):
+        if value is None:
+            continue
+        allowed = host.client_templates if host.client_templates is not None else LIMITS.allow_client_chat_template
+        if not allowed:
+            _bad(name, f"is not accepted by {host.name}: a client's own chat template is code the server would run "
+                 "(the operator allows it with SPECGRAMMAR_ALLOW_CLIENT_CHAT_TEMPLATE=1)")
+        if not isinstance(value, str):
+            _bad(name, "must be a string")
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if size > LIMITS.max_chat_template_bytes:
+            _bad(name, f"is {size} bytes; the limit is {LIMITS.max_chat_template_bytes} "
+                 "(SPECGRAMMAR_MAX_CHAT_TEMPLATE_BYTES)")
 
 
 def _prompt_bytes(body: dict, host: Host) -> int | None:
@@ -252,6 +285,7 @@ def check_request(body: Any, host: Host, *, host_constraint: bool = False) -> Ch
         if body.get(name) is not None and body[name] not in allowed:
             _bad(name, f"is fixed when {host.name} starts; a request may not choose it")
     _check_sampling(body, host)
+    _check_template(body, host)
     stops = _stops(body)
     spec, options = parse_request(body)
     opts = body.get("specgrammar") or {}
@@ -260,9 +294,15 @@ def check_request(body: Any, host: Host, *, host_constraint: bool = False) -> Ch
         _bad(f"specgrammar.{refused[0]}", f"is not applied by {host.name} (it applies: "
              f"{', '.join(k for k in OPTION_KEYS if k in host.honours) or 'none'})")
     if spec is not None:  # cheap and structural: refused here too where the host compiles it elsewhere (vLLM)
+        check_text(spec.value if spec.kind != "json_schema" else spec.schema, f"the {spec.kind}")
+        if spec.trigger is not None:
+            check_text(spec.trigger, "specgrammar.trigger")
+        check_cost(spec)  # the absolute bounds first (bounds.py): linear in the text, before any fixpoint
         check_not_empty(spec)
     if (spec is not None or host_constraint) and stops:
         _bad("stop", "cannot be combined with a constraint: a stop string inside the structured output would cut "
              "it short and invalid (the grammar ends the output itself)")
     n, max_tokens, given = _context(body, host)
+    if spec is not None:
+        check_fit(spec, options, max_tokens, host.max_token_bytes)
     return Checked(spec, options, n, max_tokens, given)

@@ -155,8 +155,8 @@ class TriggeredMatcher:
     def forced(self) -> Forced:
         return self.inner.forced() if self.inner is not None else Forced()
 
-    def jump_forward(self) -> bytes:
-        return self.inner.jump_forward() if self.inner is not None else b""
+    def jump_forward(self, limit: int | None = None) -> bytes:
+        return self.inner.jump_forward(limit) if self.inner is not None else b""
 
     @property
     def jump_forward_complete(self) -> bool:

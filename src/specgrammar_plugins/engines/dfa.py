@@ -319,7 +319,7 @@ class DFAMatcher:
     def is_terminated(self) -> bool:
         return self.terminated
 
-    def jump_forward(self) -> bytes:
+    def jump_forward(self, limit: int | None = None) -> bytes:
         return b""  # the reference engine walks single-token masks only
 
     def forced(self) -> Forced:

@@ -20,7 +20,7 @@ from ..masks import mask_words
 from ..errors import ConstraintError
 from ..tokenizer import TokenizerInfo
 from ._common import (
-    GreedyBytes, PerTokenizerCache, StepBook, ascii_shorthands, engine_words, forced_from_masks, no_start_error,
+    GreedyBytes, PerTokenizerCache, StepBook, ascii_shorthands, engine_words, forced_cap, forced_from_masks, no_start_error,
     popcount)
 
 NAME = "llguidance"
@@ -286,10 +286,10 @@ class LLGuidanceMatcher:
             tokens = forced_from_masks(self, self.tok).tokens
         return Forced(tokens, text)
 
-    def jump_forward(self) -> bytes:
+    def jump_forward(self, limit: int | None = None) -> bytes:
         if self.book.terminated or self.m.is_stopped():
             return b""
-        return bytes(self.m.compute_ff_bytes())
+        return bytes(self.m.compute_ff_bytes())[: forced_cap(limit)]  # (bounded by the constraint: bounds.py)
 
     # the raw engine call, for overhead measurements
     def raw_fill(self, out: np.ndarray) -> None:

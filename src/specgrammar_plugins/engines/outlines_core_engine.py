@@ -265,7 +265,7 @@ class OutlinesCoreMatcher:
     def forced(self) -> Forced:
         return forced_from_masks(self, self.tok)
 
-    def jump_forward(self) -> bytes:
+    def jump_forward(self, limit: int | None = None) -> bytes:
         return b""  # outlines-core has no jump-forward; the forced drafter walks single-token masks
 
     @property

@@ -21,7 +21,7 @@ from ..errors import ConstraintError
 from ..gbnf import fill_empty_alternatives, normalize_gbnf  # noqa: F401  (re-exported)
 from ..tokenizer import TokenizerInfo
 from ._common import (
-    PerTokenizerCache, StepBook, ascii_shorthands, clear_past, engine_words, forced_from_masks, native_stderr,
+    PerTokenizerCache, StepBook, ascii_shorthands, clear_past, engine_words, forced_cap, forced_from_masks, native_stderr,
     no_start_error, popcount, refuse_empty_choices, write_stderr)
 
 NAME = "xgrammar"
@@ -250,11 +250,14 @@ class XGrammarMatcher:
             text = chain.text
         return Forced(chain.tokens, text)
 
-    def jump_forward(self) -> bytes:
+    def jump_forward(self, limit: int | None = None) -> bytes:
+        # xgrammar 0.2.8 has no capped call: find_jump_forward_string builds the whole forced string.  What bounds
+        # it is the constraint, checked before compiling (bounds.check_cost: counts, expansions and a GBNF
+        # grammar's forced length, at most LIMITS.max_forced_bytes); the result is cut at the caller's limit.
         if self.book.terminated:
             return b""
         try:
-            return self.gm.find_jump_forward_string().encode("utf-8")
+            return self.gm.find_jump_forward_string().encode("utf-8")[: forced_cap(limit)]
         except UnicodeDecodeError:
             # xgrammar 0.2.8 returns the jump-forward string as a Python str, and raises when the forced bytes end
             # inside a UTF-8 sequence (a choice of "👍"/"👎" forces F0 9F 91 and then branches): no jump-forward

@@ -1,0 +1,526 @@
+"""Cheap bounds on what a constraint may cost, checked before any engine or walker runs, and the one deadline per
+request over all preparation (issue 33).
+
+A request whose constraint is small in bytes can still be unbounded in work: ``a{0,4294967295}``, ``(a{1000}){1000}``,
+40 doubling GBNF rules whose only string is 2^40 bytes long, ``"minItems": 1000000000``.  The engines (and our DFA
+and budget walkers) expand such counts, so each is bounded here by arithmetic on the constraint's text, in time
+linear in its size and without recursion (``check_cost``: absolute limits, every host, in ``compile_constraint``;
+``check_fit``: what cannot fit in the request's budget, in the gate).  Each refusal is a ``ConstraintError`` naming
+the limit and its variable.  The limits (``compiler.LIMITS``, environment variables in brackets):
+
+- ``max_repeat`` (10,000; ``SPECGRAMMAR_MAX_REPEAT``): any ``{m}`` / ``{m,n}`` count in a regex, a JSON Schema
+  ``pattern``, a GBNF / Lark / EBNF grammar;
+- ``max_expansion`` (100,000; ``SPECGRAMMAR_MAX_EXPANSION``): a count times the length of what it repeats times
+  the counts of the groups around it (``(a{1000}){1000}``: 10^6 characters of expansion), and for a JSON Schema an
+  item count times the size of the item schema;
+- ``max_choices`` (50,000; ``SPECGRAMMAR_MAX_CHOICES``): options of a ``choice``, values of an ``enum``;
+- ``max_rules`` (1,000; ``SPECGRAMMAR_MAX_RULES``): rules of a GBNF grammar;
+- ``max_properties`` (1,000; ``SPECGRAMMAR_MAX_PROPERTIES``): properties of one JSON Schema object;
+- ``max_items`` (10,000; ``SPECGRAMMAR_MAX_ITEMS``): ``minItems`` / ``maxItems`` / ``minContains`` / ``maxContains``
+  (llguidance 1.7.6 aborts the process allocating 4-8 GB at ``maxItems`` 10^9, and panics at 10^5);
+- ``max_forced_bytes`` (1 MiB; ``SPECGRAMMAR_MAX_FORCED_BYTES``): the sum over a GBNF grammar's rules of the
+  shortest string of each rule's longest alternative.  A forced string (jump-forward) is a prefix of every
+  completion, and in a grammar where no rule reaches itself each rule is on the stack at most once, so no
+  forced string is longer than this sum; it is also the cap every ``jump_forward`` call is cut at;
+- ``prepare_timeout_s`` (5 s; ``SPECGRAMMAR_PREPARE_TIMEOUT_S``): the request's deadline (``Deadline``).
+
+``Deadline``: one per request (``prepare_deadline()`` opens it on the current thread, and the compile, the exact
+budget's DFA, the certified budget's walk read it); a piece of preparation called outside one gets a deadline of
+its own of the same length.  An overrun is a ``ConstraintError`` naming the limit and the part that overran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import threading
+import time
+from typing import Iterator
+
+from .errors import ConstraintError
+
+_local = threading.local()
+
+
+def _limits():
+    from .compiler import LIMITS
+
+    return LIMITS
+
+
+# ------------------------------------------------------------------------------------------- the deadline
+class Deadline:
+    """A point in time by which a request's preparation must be done."""
+
+    def __init__(self, seconds: float | None = None):
+        self.seconds = float(_limits().prepare_timeout_s if seconds is None else seconds)
+        self.end = time.monotonic() + self.seconds
+
+    def remaining(self) -> float:
+        return self.end - time.monotonic()
+
+    def check(self, part: str, *, engine: str | None = None, kind: str | None = None) -> None:
+        if time.monotonic() > self.end:
+            raise overrun(self.seconds, part, engine=engine, kind=kind)
+
+
+def overrun(seconds: float, part: str, *, engine: str | None = None, kind: str | None = None) -> ConstraintError:
+    return ConstraintError(f"preparing this request took longer than {seconds:g} s (the preparation time limit, "
+                           f"SPECGRAMMAR_PREPARE_TIMEOUT_S); the part that overran: {part}", engine=engine, kind=kind)
+
+
+def current() -> Deadline | None:
+    """The deadline ``prepare_deadline`` opened on this thread, if any."""
+    return getattr(_local, "deadline", None)
+
+
+def deadline() -> Deadline:
+    """The current request's deadline, or a fresh one for a piece called on its own."""
+    return current() or Deadline()
+
+
+@contextlib.contextmanager
+def prepare_deadline(seconds: float | None = None) -> Iterator[Deadline]:
+    """Open the request's deadline on this thread (nested calls share the outer one)."""
+    outer = current()
+    if outer is not None:
+        yield outer
+        return
+    d = Deadline(seconds)
+    _local.deadline = d
+    try:
+        yield d
+    finally:
+        _local.deadline = None
+
+
+# ------------------------------------------------------------------------------------------- counts in text
+_COUNT = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
+_LARK_COUNT = re.compile(r"~\s*(\d+)(?:\s*\.\.\s*(\d+))?")
+
+
+def _refuse(msg: str, var: str, kind: str | None) -> ConstraintError:
+    return ConstraintError(f"{msg} ({var})", kind=kind)
+
+
+def _counts(text: str, where: str, kind: str | None, grammar: bool = False) -> None:
+    """Every ``{m,n}`` count in a regex or grammar text against ``max_repeat``, and count x repeated length x the
+    counts of the enclosing groups against ``max_expansion``.  One pass, no recursion: a stack of the groups'
+    starts; a group's own count is known only at its ``)``, so its content is charged then."""
+    lim = _limits()
+    stack: list[int] = []  # start index of each open group
+    inner_max = [1]  # per level: the largest expansion of something inside the current group
+    last_start = None  # start of the last atom (for a count after it)
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            last_start = i
+            i += 2
+            continue
+        if c == "[" or (grammar and c == '"'):
+            close = "]" if c == "[" else '"'
+            j = i + 1
+            while j < n and text[j] != close:
+                j += 2 if text[j] == "\\" else 1
+            last_start = i
+            i = j + 1
+            continue
+        if c == "(":
+            stack.append(i)
+            inner_max.append(1)
+            i += 1
+            continue
+        if c == ")" and stack:
+            start = stack.pop()
+            inside = inner_max.pop()
+            last_start = start
+            m = _COUNT.match(text, i + 1)
+            count = _count_of(m, where, kind) if m else 1
+            size = count * max(inside, i - start)
+            if size > lim.max_expansion:
+                raise _refuse(f"{where} repeats {text[start:i + 1][:40]!r} {count} times: an expansion of about "
+                              f"{size} characters; the limit is {lim.max_expansion}", "SPECGRAMMAR_MAX_EXPANSION",
+                              kind)
+            inner_max[-1] = max(inner_max[-1], size)
+            i = m.end() if m else i + 1
+            continue
+        if c == "{":
+            m = _COUNT.match(text, i)
+            if m:
+                count = _count_of(m, where, kind)
+                seg = max(1, i - (last_start if last_start is not None else i - 1))
+                size = count * seg
+                if size > lim.max_expansion:
+                    raise _refuse(f"{where} repeats {text[max(0, i - seg):i][:40]!r} {count} times: an expansion of "
+                                  f"about {size} characters; the limit is "
+                                  f"{lim.max_expansion}", "SPECGRAMMAR_MAX_EXPANSION", kind)
+                inner_max[-1] = max(inner_max[-1], size)
+                i = m.end()
+                continue
+        last_start = i
+        i += 1
+    if grammar:
+        for m in _LARK_COUNT.finditer(text):
+            _count_of(m, where, kind)
+
+
+def _count_of(m, where: str, kind: str | None) -> int:
+    lim = _limits()
+    nums = [int(x) for x in m.groups() if x]
+    top = max(nums, default=1)
+    if top > lim.max_repeat:
+        raise _refuse(f"{where} has the repetition count {top}; the limit is {lim.max_repeat}",
+                      "SPECGRAMMAR_MAX_REPEAT", kind)
+    return max(top, 1)
+
+
+# ------------------------------------------------------------------------------------------- GBNF lengths
+def gbnf_parse(text: str) -> dict[str, list[list[tuple]]] | None:
+    """A GBNF grammar as rule -> alternatives of parts ``(what, lo, hi)``: ``what`` a literal's text (str), a class
+    (``("class", text)``), a rule name (``("ref", name)``) or a group (a list of alternatives); ``lo`` / ``hi`` the
+    repetition (hi None: unbounded).  None when this reader cannot read it (the engine reports the error)."""
+    from .gbnf import _NAME, _literal_text, _match_paren, _skip_literal, split_rules
+
+    def parts(body: str) -> list[list[tuple]]:
+        # groups are parsed with an explicit stack (no recursion)
+        root: list[list] = [[]]
+        stack = [root]
+        ends = [len(body)]
+        i = 0
+        while True:
+            alts = stack[-1]
+            if i >= ends[-1]:
+                if len(stack) == 1:
+                    return root
+                stack.pop()
+                i = ends.pop() + 1
+                continue
+            c = body[i]
+            if c.isspace():
+                i += 1
+            elif c == "|":
+                alts.append([])
+                i += 1
+            elif c in "*?+" or c == "{":
+                if c == "{":
+                    j = body.index("}", i)
+                    nums = body[i + 1:j].split(",")
+                    lo = int(nums[0].strip() or 0)
+                    hi = lo if len(nums) == 1 else (int(nums[1]) if nums[1].strip() else None)
+                    i = j + 1
+                else:
+                    lo, hi = {"*": (0, None), "?": (0, 1), "+": (1, None)}[c]
+                    i += 1
+                if alts[-1]:
+                    what, a, b = alts[-1][-1]
+                    alts[-1][-1] = (what, a * lo, None if hi is None or b is None else b * hi)
+            elif c == '"':
+                j = _skip_literal(body, i)
+                alts[-1].append((_literal_text(body[i + 1:j - 1]), 1, 1))
+                i = j
+            elif c == "[":
+                j = _skip_literal(body, i)
+                alts[-1].append((("class", body[i:j]), 1, 1))
+                i = j
+            elif c == ".":
+                alts[-1].append((("class", "[^\n]"), 1, 1))
+                i += 1
+            elif c == "(":
+                j = _match_paren(body, i)
+                group: list[list] = [[]]
+                alts[-1].append((group, 1, 1))
+                stack.append(group)
+                ends.append(j)
+                i += 1
+            else:
+                m = _NAME.match(body, i)
+                if not m:
+                    raise ValueError(c)
+                alts[-1].append((("ref", m.group()), 1, 1))
+                i = m.end()
+
+    try:
+        return {name: parts(body) for name, body in split_rules(text).items()}
+    except (ValueError, IndexError, KeyError):
+        return None
+
+
+def _class_char(cls: str) -> str:
+    from .gbnf import class_items
+
+    try:
+        negated, items = class_items(cls)
+    except ValueError:
+        return "a"
+    if not negated:
+        return next((ch for ch in items if ch is not None), "a")
+    banned = {ch for ch in items if ch is not None}
+    return next((ch for ch in "a0 xA_.-" if ch not in banned), "a")
+
+
+def gbnf_lengths(rules: dict[str, list[list[tuple]]], cap: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Per rule: the byte length of its shortest string, and of the shortest string of its longest alternative
+    (lengths saturate at ``cap + 1``; a rule with no finite string is absent).  A fixpoint, no recursion."""
+    from .constraint import ConstraintSpec  # noqa: F401  (keeps the import graph of the package as it is)
+
+    sat = cap + 1
+    best: dict[str, int] = {}
+
+    def seq_len(seq) -> int | None:
+        total = 0
+        for what, lo, _hi in seq:
+            if lo == 0:
+                continue
+            one = part_len(what)
+            if one is None:
+                return None
+            total = min(sat, total + one * lo)
+        return total
+
+    def part_len(what) -> int | None:
+        if isinstance(what, str):
+            return len(what.encode("utf-8", "surrogatepass"))
+        if isinstance(what, list):  # a group: the shortest alternative (groups nest at most 128 deep)
+            lens = [seq_len(a) for a in what]
+            lens = [x for x in lens if x is not None]
+            return min(lens) if lens else None
+        if what[0] == "class":
+            return 1
+        return best.get(what[1], None if what[1] in rules else 0)
+
+    users = _users(rules)
+    todo = list(rules)
+    queued = set(todo)
+    while todo:  # a worklist: a rule is looked at again only when a rule it names got shorter
+        name = todo.pop()
+        queued.discard(name)
+        lens = [x for x in (seq_len(a) for a in rules[name]) if x is not None]
+        if lens and (name not in best or min(lens) < best[name]):
+            best[name] = min(lens)
+            for u in users.get(name, ()):
+                if u not in queued:
+                    queued.add(u)
+                    todo.append(u)
+    longest_alt = {}
+    for name, alts in rules.items():
+        lens = [x for x in (seq_len(a) for a in alts) if x is not None]
+        if lens:
+            longest_alt[name] = max(lens)
+    return best, longest_alt
+
+
+def _users(rules: dict) -> dict[str, set]:
+    """rule -> the rules whose bodies name it."""
+    users: dict[str, set] = {}
+    for name, alts in rules.items():
+        stack = list(alts)
+        while stack:
+            seq = stack.pop()
+            for what, _lo, _hi in seq:
+                if isinstance(what, list):
+                    stack.extend(what)
+                elif isinstance(what, tuple) and what[0] == "ref":
+                    users.setdefault(what[1], set()).add(name)
+    return users
+
+
+def gbnf_shortest(text: str, cap: int = 4096) -> str | None:
+    """A shortest string of a GBNF grammar (bytes <= ``cap``), built from ``gbnf_lengths``; None when there is
+    none that short or the grammar cannot be read.  (A witness: the engine certifies it before it is used.)"""
+    rules = gbnf_parse(text)
+    if rules is None or "root" not in rules:
+        return None
+    best, _ = gbnf_lengths(rules, cap)
+    if best.get("root", cap + 1) > cap:
+        return None
+    out: list[str] = []
+    todo: list = [("ref", "root")]  # an explicit stack of parts still to spell, last first
+    steps = 0
+    while todo:
+        steps += 1
+        if steps > 64 * cap + 1024:
+            return None
+        what = todo.pop()
+        if isinstance(what, str):
+            out.append(what)
+        elif isinstance(what, tuple) and what[0] == "class":
+            out.append(_class_char(what[1]))
+        else:
+            alts = rules.get(what[1]) if isinstance(what, tuple) else what
+            if alts is None:
+                return None
+            target = best.get(what[1]) if isinstance(what, tuple) else None
+            chosen = None
+            for a in alts:
+                n = _seq_len_of(a, rules, best)
+                if n is not None and (target is None or n == target):
+                    if chosen is None or n < chosen[0]:
+                        chosen = (n, a)
+            if chosen is None:
+                return None
+            for part, lo, _hi in reversed(chosen[1]):
+                todo.extend([part] * lo)
+    s = "".join(out)
+    return s if len(s.encode("utf-8", "surrogatepass")) <= cap else None
+
+
+def _seq_len_of(seq, rules, best) -> int | None:
+    total = 0
+    for what, lo, _hi in seq:
+        if lo == 0:
+            continue
+        if isinstance(what, str):
+            one = len(what.encode("utf-8", "surrogatepass"))
+        elif isinstance(what, list):
+            lens = [x for x in (_seq_len_of(a, rules, best) for a in what) if x is not None]
+            one = min(lens) if lens else None
+        elif what[0] == "class":
+            one = 1
+        else:
+            one = best.get(what[1])
+        if one is None:
+            return None
+        total += one * lo
+    return total
+
+
+# ------------------------------------------------------------------------------------------- per kind
+_COUNT_KEYS = ("minItems", "maxItems", "minContains", "maxContains")
+
+
+def _schema_nodes(schema):
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            yield node
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _check_schema(schema, kind: str) -> None:
+    lim = _limits()
+    for node in _schema_nodes(schema):
+        enum = node.get("enum")
+        if isinstance(enum, list) and len(enum) > lim.max_choices:
+            raise _refuse(f"an enum has {len(enum)} values; the limit is {lim.max_choices}", "SPECGRAMMAR_MAX_CHOICES",
+                          kind)
+        props = node.get("properties")
+        if isinstance(props, dict) and len(props) > lim.max_properties:
+            raise _refuse(f"an object schema has {len(props)} properties; the limit is {lim.max_properties}",
+                          "SPECGRAMMAR_MAX_PROPERTIES", kind)
+        for key in _COUNT_KEYS:
+            v = node.get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > lim.max_items:
+                raise _refuse(f"{key} is {v:g}; the limit is {lim.max_items}", "SPECGRAMMAR_MAX_ITEMS", kind)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 1:
+                items = node.get("items", node.get("contains"))
+                size = len(json.dumps(items, separators=(",", ":"))) if isinstance(items, (dict, list)) else 1
+                if v * size > lim.max_expansion:
+                    raise _refuse(f"{key} {v:g} times an item schema of {size} bytes is an expansion of "
+                                  f"{int(v * size)}; the limit is {lim.max_expansion}", "SPECGRAMMAR_MAX_EXPANSION",
+                                  kind)
+        pat = node.get("pattern")
+        if isinstance(pat, str):
+            _counts(pat, "a pattern", kind)
+
+
+def check_cost(spec) -> None:
+    """The absolute bounds (module docstring) on ``spec``; raises ``ConstraintError`` naming the limit."""
+    lim = _limits()
+    kind = spec.kind
+    if kind == "choice":
+        n = len(spec.value)
+        if n > lim.max_choices:
+            raise _refuse(f"the choice has {n} options; the limit is {lim.max_choices}", "SPECGRAMMAR_MAX_CHOICES",
+                          kind)
+        return
+    if kind == "regex":
+        _counts(spec.value, "the regex", kind)
+        return
+    if kind == "json_schema":
+        schema = spec.schema
+        _check_schema(schema, kind)
+        return
+    if kind == "grammar":
+        text = spec.value
+        _counts(text, "the grammar", kind, grammar=True)
+        if spec.syntax == "gbnf":
+            rules = gbnf_parse(text)
+            if rules is None:
+                return
+            if len(rules) > lim.max_rules:
+                raise _refuse(f"the grammar has {len(rules)} rules; the limit is {lim.max_rules}",
+                              "SPECGRAMMAR_MAX_RULES", kind)
+            cap = lim.max_forced_bytes
+            _, longest = gbnf_lengths(rules, cap)
+            total = 0
+            for name, n in longest.items():
+                total += n
+                if total > cap:
+                    raise _refuse(f"a string of this grammar can be forced to more than {cap} bytes (the forced-string "
+                                  f"limit): its rules' shortest strings add up past it (rule {name!r}: "
+                                  f"{'more than ' + str(cap) if n > cap else n} bytes)", "SPECGRAMMAR_MAX_FORCED_BYTES",
+                                  kind)
+
+
+def check_text(value, where: str) -> None:
+    """A string a constraint or request option carries must be encodable as UTF-8 (a lone surrogate is not)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ConstraintError(f"{where} holds a lone surrogate (not a Unicode character: no UTF-8 text "
+                                      "spells it)") from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+__all__ = ["Deadline", "check_cost", "check_text", "current", "deadline", "gbnf_lengths", "gbnf_parse",
+           "gbnf_shortest", "overrun", "prepare_deadline"]
+
+
+# ------------------------------------------------------------------------------------------- against the budget
+def check_fit(spec, options, max_tokens: int | None, max_token_bytes: int | None) -> None:
+    """What cannot fit in the request's budget, refused before any compile (``BudgetError``): a JSON Schema
+    ``minItems`` / ``minLength`` / ``minProperties`` or a GBNF grammar's shortest string that needs more bytes than
+    ``budget`` tokens of at most ``max_token_bytes`` bytes each can spell (an item takes at least 2 bytes with its
+    comma, a property 6: ``"":0,``).  Off where the budget is (``budget_mask: false``, no ``max_tokens``)."""
+    from .errors import BudgetError
+
+    if options is not None and getattr(options, "budget_mask", None) is False:
+        return
+    budget = max_tokens
+    if options is not None and getattr(options, "budget", None) is not None:
+        budget = options.budget if budget is None else min(budget, options.budget)
+    if budget is None or not max_token_bytes or budget >= 1 << 20:
+        return
+    room = budget * max_token_bytes
+
+    def refuse(what: str, need: int):
+        raise BudgetError(f"{what} needs at least {need} bytes, and {budget} tokens (max_tokens or specgrammar.budget) "
+                          f"spell at most {room} bytes on this model: raise it, or send \"specgrammar\": "
+                          "{\"budget_mask\": false} to allow an output cut off at the limit", shortest=None,
+                          budget=budget, kind=spec.kind)
+
+    if spec.kind == "json_schema":
+        for node in _schema_nodes(spec.schema):
+            for key, per in (("minItems", 2), ("minLength", 1), ("minProperties", 6)):
+                v = node.get(key)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v * per > room:
+                    refuse(f"{key} {v:g}", int(v * per))
+    elif spec.kind == "grammar" and spec.syntax == "gbnf":
+        rules = gbnf_parse(spec.value)
+        if rules is not None and "root" in rules:
+            best, _ = gbnf_lengths(rules, room)
+            if best.get("root", 0) > room:
+                refuse("the grammar's shortest string", best["root"])
