@@ -178,6 +178,16 @@ class _Counter:
 _host_cache: dict = {}
 
 
+def _served_names(cli) -> list[str]:
+    """The names a request may give its ``model``: ``default_model``, ``--model`` as given and as a resolved path."""
+    names = ["default_model"]
+    if getattr(cli, "model", None):
+        names.append(cli.model)
+        if Path(cli.model).exists():
+            names.append(str(Path(cli.model).resolve()))
+    return names
+
+
 def _host(model_provider) -> Host:
     """What the gate checks requests against: the served model's names, context length, vocabulary, and the
     fields mlx-lm would otherwise take from a request to load files (``adapters``, ``draft_model``)."""
@@ -186,11 +196,7 @@ def _host(model_provider) -> Host:
     hit = _host_cache.get("host")
     if hit is not None and hit[0] is model and hit[1] is tokenizer:
         return hit[2]
-    names = ["default_model"]
-    if getattr(cli, "model", None):
-        names.append(cli.model)
-        if Path(cli.model).exists():
-            names.append(str(Path(cli.model).resolve()))
+    names = _served_names(cli)
     fixed = (("adapters", (getattr(cli, "adapter_path", None),)),
              ("draft_model", ("default_model", getattr(cli, "draft_model", None))))
     kw = {}
@@ -239,6 +245,14 @@ def request_fields(body, model_provider):
             fit = check_budget(compiled, options, checked.max_tokens)  # the gate's: the request's or the default
             certified = fit is not None and fit.settles  # BudgetError above: 400 naming the shortest length
     return {"specgrammar": RequestPlan(spec, options, explicit, certified)}
+
+
+@hookimpl
+def list_models(models, model_provider):
+    """``GET /v1/models`` lists only the models a request may name here: the gate answers 404 for any other (the
+    host also lists the mlx models in the Hugging Face cache, which it would load on a request's say)."""
+    names = set(_served_names(model_provider.cli_args))
+    return [m for m in models if m.get("id") in names]
 
 
 def _plan(args) -> RequestPlan | None:
