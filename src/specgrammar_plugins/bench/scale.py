@@ -48,6 +48,10 @@ from . import _report as R
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
                   max_position_embeddings=32768, tie_word_embeddings=True)
+# SmolLM2-135M-Instruct, the real model of this project (models.real; its GGUF's llama.* metadata): ~135M parameters
+SMOLLM2_135M = dict(arch="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=1536, vocab_size=49152, rms_norm_eps=1e-5, rope_theta=100000.0,
+                    max_position_embeddings=8192, tie_word_embeddings=True)
 # a draft for it: half the hidden size, a quarter of the layers, the same vocabulary (its lm_head dominates its cost)
 DRAFT_SHAPE = dict(QWEN25_05B, hidden_size=448, num_hidden_layers=6, num_attention_heads=7, num_key_value_heads=1,
                    intermediate_size=1216)
@@ -98,15 +102,23 @@ def measure_mlx(shape: dict, context: int, ks, reps: int, seed: int = 0) -> dict
     return {"backend": "mlx", "device": "cpu", "params": int(n_params), "times": times}
 
 
-def measure_torch(shape: dict, context: int, ks, reps: int, device: str = "cpu", seed: int = 0) -> dict:
+def measure_torch(shape: dict, context: int, ks, reps: int, device: str = "cpu", seed: int = 0,
+                  dtype: str = "float32") -> dict:
+    """t(n) of ``shape`` (a Qwen2 config's fields; ``arch="llama"`` for a Llama one such as ``SMOLLM2_135M``) on
+    ``device`` in ``dtype``, random weights."""
     import torch
-    from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+    import transformers
+    from transformers import DynamicCache
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(**shape, torch_dtype="float32")
+    shape = dict(shape)
+    arch = shape.pop("arch", "qwen2")
+    config_cls, model_cls = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                             "llama": ("LlamaConfig", "LlamaForCausalLM")}[arch]
+    cfg = getattr(transformers, config_cls)(**shape, torch_dtype=dtype)
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg)
-    model = model.to_empty(device=device).eval()
+        model = getattr(transformers, model_cls)(cfg)
+    model = model.to_empty(device=device).to(getattr(torch, dtype)).eval()
     model.tie_weights()  # the 0.5B model ties its output layer to the embeddings (to_empty drops the tie)
     with torch.no_grad():
         for p in model.parameters():
