@@ -418,3 +418,28 @@ def test_a_lone_surrogate_in_the_prompt_is_a_clear_400(server):
     # a surrogate pair is a character: served
     status, reply, _ = server.chat(messages=[{"role": "user", "content": "hi \U0001F600"}], max_tokens=2)
     assert status == 200, reply
+
+
+# ---------------------------------------------------------------------------------------------- upstream diffs
+def test_each_upstream_diff_applies_to_stock_mlx_lm(tmp_path):
+    """``patches/upstream/*.diff``: one fix each, against stock mlx-lm 0.32.2 (``http-deadlines.diff`` goes on top
+    of the request-body handling of the plugin diff, which is not shipped apart: left out here)."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    from specgrammar_mlx_lm import patch
+
+    src = Path(list(importlib.util.find_spec("mlx_lm").submodule_search_locations)[0])
+    shutil.copytree(src, tmp_path / "mlx_lm", ignore=shutil.ignore_patterns("__pycache__"))
+    plugin = patch.parse_diff(patch.diff_path().read_text())
+    if patch.state(tmp_path, plugin) == "applied":  # the venv's mlx-lm is patched: start from its stock form
+        patch.apply(tmp_path, plugin, reverse=True)
+    diffs = sorted((Path(__file__).resolve().parents[1] / "patches" / "upstream").glob("*.diff"))
+    names = {d.stem for d in diffs}
+    assert {"image-urls", "stop-strings", "logprobs", "models", "request-fields", "http-deadlines"} <= names, names
+    for d in diffs:
+        text = d.read_text()
+        assert "mlx-lm 0.32.2" in text.split("diff --git", 1)[0], d.name  # each names the host version
+        if d.stem != "http-deadlines":
+            assert patch.state(tmp_path, patch.parse_diff(text)) == "clean", d.name

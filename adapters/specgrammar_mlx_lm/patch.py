@@ -2,7 +2,13 @@
 
 mlx-lm has no plugin mechanism; ``patches/mlx_lm-server-plugin.diff`` (upstream-ready, host-neutral) adds
 ``mlx_lm.server --plugin NAME`` (pluggy plugins from the ``mlx_lm.server_plugins`` entry-point group, hooks in the
-new module ``mlx_lm/server_plugins.py``) and makes the server store prompt caches under the tokens they hold.
+new module ``mlx_lm/server_plugins.py``) and makes the server store prompt caches under the tokens they hold.  It
+also closes holes of the host's own HTTP server (made against mlx-lm 0.32.2; issue 33, ``tests/test_hostile_host.py``):
+image URLs are never fetched (image parts on a text-only model are a 400), stop strings end the generation instead of
+being cut out of the text, logprobs name the chosen token, ``/v1/models`` answers, exactly one valid
+``Content-Length``, ``--header-timeout`` / ``--body-timeout`` deadlines, ``--max-connections``, clear 400s for lone
+surrogates and malformed ``stop`` / ``chat_template_kwargs``.  Each of those fixes is also in
+``patches/upstream/NAME.diff``, apart, for upstream.
 
 The command is idempotent (an applied patch is reported, not applied twice), checks the installed version
 (only the version the diff was made against is patched; anything else is refused with the reason), and is
