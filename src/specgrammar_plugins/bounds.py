@@ -481,7 +481,7 @@ def check_text(value, where: str) -> None:
         elif isinstance(v, dict):
             stack.extend(v.keys())
             stack.extend(v.values())
-        elif isinstance(v, list):
+        elif isinstance(v, (list, tuple)):
             stack.extend(v)
 
 

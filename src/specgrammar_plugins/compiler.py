@@ -252,6 +252,11 @@ def _compile_checked(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str
 
     limit = LIMITS.compile_timeout_s if _timeout is None else _timeout
     d = current()  # the request's deadline (bounds.prepare_deadline), when the host opened one
+    prepare = getattr(eng, "prepare", None)
+    if prepare is not None and d is not None:  # the engine's per-tokenizer set-up (its import: seconds, once per
+        t_prep = time.monotonic()  # process) is not the request's work: the deadline moves by what it took
+        prepare(tokenizer)
+        d.end += time.monotonic() - t_prep
     by_deadline = d is not None and d.remaining() < limit
     if by_deadline:
         limit = d.remaining()

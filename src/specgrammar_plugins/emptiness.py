@@ -189,13 +189,21 @@ def gbnf_unproductive_root(text: str) -> bool:
             return p[1] in productive or p[1] not in rules  # an unknown rule is the engine's error to report
         return any(all(part_ok(q) for q in alt) for alt in p[1])
 
-    changed = True
-    while changed:
-        changed = False
-        for name, alts in rules.items():
-            if name not in productive and any(all(part_ok(p) for p in alt) for alt in alts):
-                productive.add(name)
-                changed = True
+    users: dict[str, set] = {}  # rule -> the rules that name it (a worklist: linear, where sweeps were quadratic
+    for name, alts in rules.items():  # on a chain of rules, issue 33)
+        stack = [p for alt in alts for p in alt]
+        while stack:
+            p = stack.pop()
+            if p[0] == "ref":
+                users.setdefault(p[1], set()).add(name)
+            elif p[0] == "group":
+                stack.extend(q for alt in p[1] for q in alt)
+    todo = list(rules)
+    while todo:
+        name = todo.pop()
+        if name not in productive and any(all(part_ok(p) for p in alt) for alt in rules[name]):
+            productive.add(name)
+            todo.extend(u for u in users.get(name, ()) if u not in productive)
     return "root" not in productive
 
 
