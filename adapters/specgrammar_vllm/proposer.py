@@ -150,10 +150,10 @@ class GrammarStates:
     def state(self, req_id: str, req) -> _RequestState:
         st = self._states.get(req_id)
         if st is None:
-            st = self._states[req_id] = self._new_state(req)
+            st = self._states[req_id] = self._new_state(req, req_id)
         return st
 
-    def _new_state(self, req) -> _RequestState:
+    def _new_state(self, req, req_id: str | None = None) -> _RequestState:
         self.counters["requests_seen"] += 1
         sp = getattr(req, "sampling_params", None)
         prompt_len = int(getattr(req, "num_prompt_tokens", 0) or 0)
@@ -196,7 +196,7 @@ class GrammarStates:
         # fills the positions the host chain leaves), so "model" here has no runner and drops out of the chain
         names = tuple(options.get("drafters", self.drafter_names))
         params = core_params(sp)
-        self._check_budget(compiled, getattr(sp, "max_tokens", None))
+        self._check_budget(compiled, getattr(sp, "max_tokens", None), req_id)
 
         def chain(names):
             recipe = options.get("recipe")
@@ -232,12 +232,16 @@ class GrammarStates:
             memo.move_to_end(key)
         return hit
 
-    def _check_budget(self, compiled, max_tokens) -> None:
+    def _check_budget(self, compiled, max_tokens, req_id: str | None = None) -> None:
         """The drafting side of budget feasibility: vLLM's own sampler draws the target's tokens, so a request whose
         constraint cannot end within its ``max_tokens`` will be cut off mid-structure; count it and say so.  The
         verdict is a function of the compiled constraint (the compile cache hands every request of one constraint
         the same object) and ``max_tokens``, so it is worked out once per pair: the certified walk costs up to tens
         of ms, which would otherwise land in the engine step of every new request."""
+        from .budget_mask import budget_of
+
+        if req_id is not None and budget_of(req_id) is not None:
+            return  # vLLM's bitmask carries this request's budget mask (budget_mask.py): it ends within max_tokens
         budget = max_tokens if isinstance(max_tokens, int) else None
         seen = self._budget_verdicts.get(compiled)
         if seen is None or len(seen) >= 64:  # (a client cycling through max_tokens values: start over)
@@ -253,7 +257,7 @@ class GrammarStates:
         if reason is not None:  # said once per verdict (a log line costs ~0.1-0.7 ms in the engine step), counted always
             self.counters["budget_cut_off"] += 1
             log.log(logging.WARNING if first else logging.DEBUG, "specgrammar: this request will end cut off at "
-                    "max_tokens (vLLM samples the target's tokens without a budget mask): %s", reason)
+                    "max_tokens (its budget mask is off): %s", reason)
 
     def begin(self, st: _RequestState, context: np.ndarray, n: int, k: int | None = None) -> DraftBlock | None:
         """The request's draft block for this step, on its history's own matcher synced to ``context[:n]`` (the

@@ -36,7 +36,7 @@ log = logging.getLogger("vllm.specgrammar")
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 V2_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator"
-STATE: dict = {"draft_model": False, "custom_runner": False}
+STATE: dict = {"draft_model": False, "custom_runner": False, "budget_mask": False}
 
 
 def drafts_enabled() -> bool:
@@ -98,7 +98,16 @@ def warn_v2(module) -> None:
                     "VLLM_USE_V2_MODEL_RUNNER=0 for the grammar-aware draft proposer (V1 model runner)")
 
 
-HOOKS = {RUNNER_MODULE: wire, V2_SPECULATOR: warn_v2}
+def budget(module) -> None:
+    """3. ``vllm.v1.structured_output``: each structured request's grammar carries its budget mask
+    (``budget_mask.install``)."""
+    from . import budget_mask
+
+    budget_mask.install(module)
+    STATE["budget_mask"] = True
+
+
+HOOKS = {RUNNER_MODULE: wire, V2_SPECULATOR: warn_v2, "vllm.v1.structured_output": budget}
 
 
 class _WireOnImport(importlib.abc.MetaPathFinder):

@@ -55,7 +55,7 @@ from .cost import RegularCost, _Scan, regular_form
 from .engines._common import GreedyBytes, PerTokenizerCache
 from .errors import BudgetError
 from .history import HistoryMatcher
-from .masks import allowed_among, clear_bit, mask_allows, mask_words, pack_mask
+from .masks import allowed_among, clear_bit, mask_allows, mask_words, pack_mask, set_bit
 from .schema_rewrite import FORMAT_PATTERNS
 from .tokenizer import TokenizerInfo
 
@@ -105,6 +105,12 @@ class Budget:
             t = sample(row)
             if self.feasible(generated, t):
                 return t
+
+    def mask_row(self, row: np.ndarray, generated: Sequence[int], margin: int = 0) -> bool:
+        """For hosts that can only mask the target's row (vLLM's structured-output bitmask), never re-draw: cut
+        ``row`` in place to tokens that keep a completion within the budget; whether it removed one.  Exact: the
+        same cut as ``restrict``.  Certified: see ``CertifiedBudget.mask_row``."""
+        return self.restrict(row, generated)
 
     def report(self) -> dict:
         return {"mode": self.mode, "budget": self.budget,
@@ -593,6 +599,41 @@ class CertifiedBudget(Budget):
                 return False
             self._push(int(token), c)  # the next position starts from here (the caller commits it)
             return True
+        finally:
+            self.ns += time.perf_counter_ns() - t0
+
+    def mask_row(self, row: np.ndarray, generated: Sequence[int], margin: int = 16) -> bool:
+        """The certified bound as a mask row (a deterministic function of the prefix, so plain and speculative
+        decoding see the same row): while the slack ``r - |certificate|`` is at least ``margin`` the row is left
+        as it is; below it only tokens with a certified completion within the tokens left stay, among a bounded
+        set of candidates: the certificate's next token (always fits), the tokens spelling a prefix of its text,
+        and the stop tokens.  Sound within the tight zone, cheap (at most ``max_bytes`` + a few certificates per
+        position); a token outside it that raises the certificate by ``margin`` or more in one step is not
+        prevented (``lost`` then, and counted by the host)."""
+        if self.lost:
+            return False
+        t0 = time.perf_counter_ns()
+        try:
+            parent = self._sync(generated)
+            if parent is None:
+                return False
+            r = self.budget - len(generated)
+            if r - len(parent) >= margin or not parent:
+                return False
+            text = self._text(parent)
+            table = self.spell.table
+            cands = dict.fromkeys([parent[0], *(t for t in self.stops if t < self.tok.vocab_size),
+                                   *(table[text[:i]] for i in range(1, min(len(text), self.max_bytes) + 1)
+                                     if text[:i] in table)])
+            fits = np.zeros_like(row)
+            for t in cands:
+                if mask_allows(row, t) and (t == parent[0] or self._next(parent, generated, int(t), r) is not None):
+                    set_bit(fits, int(t))
+            cut = bool(np.any(row & ~fits))
+            if cut:
+                np.bitwise_and(row, fits, out=row)
+                self.cut_rows += 1
+            return cut
         finally:
             self.ns += time.perf_counter_ns() - t0
 

@@ -1,0 +1,297 @@
+"""Budget feasibility on vLLM: the budget mask composed with the structured-output bitmask vLLM already applies.
+
+vLLM samples the target's tokens itself, and vLLM 0.32 refuses custom V1 logits processors when speculative
+decoding is on (``vllm/v1/sample/logits_processor/__init__.py``: "Custom logits processors are not supported when
+speculative decoding is enabled").  What every structured request does have is vLLM's grammar bitmask: the
+scheduler fills one row per position (the target position and each draft position, advancing the request's
+grammar through the drafts, ``StructuredOutputManager.grammar_bitmask``), and the model runner applies those rows
+to the target's logits before vLLM's sampler and rejection sampler read them.  So the budget is applied there:
+
+- **built once per request, off the engine step**: ``StructuredOutputManager._create_grammar`` runs in vLLM's
+  grammar-compilation thread pool while the request waits in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` (the
+  scheduler only polls the future).  ``install`` wraps it: after vLLM's backend compiled its grammar, the request's
+  constraint is compiled by our engine on the same language (``structured.spec_from_params``, the backend's
+  engine and options, the tokenizer as that backend reads it, the request's stop tokens) and the core's budget is
+  built (``api.check_budget``: exact from the DFA, or certified), under the core's preparation deadline.  A
+  request whose shortest completion does not fit fails there (the launcher's gate refuses it first with a 400,
+  ``gate_check``).
+- **cheap per step**: the grammar vLLM keeps for the request is wrapped (``BudgetedGrammar``); after vLLM's
+  backend fills a row, ``Budget.mask_row`` cuts it in place for the position's prefix (exact: a cached row per DFA
+  state and slack, and nothing at all while the budget does not bind; certified: nothing while the slack to the
+  certificate is at least ``SPECGRAMMAR_VLLM_BUDGET_MARGIN`` tokens, then the certificate's own way among a
+  bounded set of candidates).  The row is a function of the prefix alone, so the target position and every
+  verification position of a speculative step read the same combined grammar-and-budget row plain decoding
+  reads: greedy speculative output equals greedy plain output, and at T > 0 vLLM's rejection sampler returns the
+  target's law under the combined row.
+- The draft proposers (``proposer.GrammarStates``) find a request's budget here (``budget_of``), so that the
+  engine's ``budget_cut_off`` counter counts only requests that really run without one.
+
+``SPECGRAMMAR_VLLM_BUDGET=0`` turns it off engine-wide (vLLM then cuts structured outputs at max_tokens); a request
+turns it off with ``"specgrammar": {"budget_mask": false}`` (``vllm_xargs.specgrammar`` / ``extra_args``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import replace
+
+import numpy as np
+
+log = logging.getLogger("vllm.specgrammar")
+
+MODULE = "vllm.v1.structured_output"
+MARGIN = int(os.environ.get("SPECGRAMMAR_VLLM_BUDGET_MARGIN", 16))
+COUNTERS: dict = {"budget_requests": 0, "budget_exact": 0, "budget_certified": 0, "budget_refused": 0,
+                  "budget_skipped": 0, "budget_errors": 0, "budget_rows": 0, "budget_cut_rows": 0,
+                  "budget_lost": 0, "budget_ns": 0}
+_LOCK = threading.Lock()
+# request id -> its BudgetedGrammar (the proposers in the same EngineCore process read it)
+_LIVE: "weakref.WeakValueDictionary[str, BudgetedGrammar]" = weakref.WeakValueDictionary()
+
+
+def enabled() -> bool:
+    return os.environ.get("SPECGRAMMAR_VLLM_BUDGET", "1").lower() not in ("0", "false", "no", "off")
+
+
+def budget_of(req_id: str):
+    """The core ``Budget`` vLLM's bitmask applies for this request, or None."""
+    g = _LIVE.get(req_id)
+    return None if g is None else g.budget
+
+
+def _count(name: str, n: int = 1) -> None:
+    with _LOCK:
+        COUNTERS[name] += n
+
+
+class BudgetedGrammar:
+    """vLLM's ``StructuredOutputGrammar`` of one request, with the budget cut after each row it fills.  The
+    generated tokens are tracked through ``accept_tokens`` / ``rollback`` / ``reset`` (vLLM advances the grammar
+    through a step's drafts while it fills their rows, then rolls back), so a row's prefix is always known."""
+
+    def __init__(self, inner, budget, req_id: str, margin: int = MARGIN):
+        self.inner, self.budget, self.req_id, self.margin = inner, budget, req_id, margin
+        self.tokens: list[int] = []
+        self.lost = False
+
+    def __getattr__(self, name):  # everything else is vLLM's grammar's
+        return getattr(self.inner, name)
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        for t in tokens:  # one at a time: vLLM's grammar keeps the tokens before a refused one
+            if not self.inner.accept_tokens(request_id, [t]):
+                return False
+            self.tokens.append(int(t))
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        # (no budget truncation of drafts here: cutting a sampled draft by its value would bias vLLM's rejection
+        # sampler; a draft the budget forbids gets target probability 0 from the row and is rejected exactly)
+        return self.inner.validate_tokens(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+        if num_tokens > 0:
+            del self.tokens[-num_tokens:]
+
+    def reset(self) -> None:
+        self.inner.reset()
+        self.tokens.clear()
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def fill_bitmask(self, bitmask, idx: int) -> None:
+        self.inner.fill_bitmask(bitmask, idx)
+        t0 = time.perf_counter_ns()
+        try:
+            row = bitmask[idx].numpy()  # a view of vLLM's CPU bitmask: cut in place
+            cut = self.budget.mask_row(row, self.tokens, self.margin)
+            if not self.lost and getattr(self.budget, "lost", False):
+                self.lost = True
+                _count("budget_lost")
+                log.warning("specgrammar: request %s left the certified budget (a token raised its shortest "
+                            "completion by %d or more at once); it may be cut off at max_tokens", self.req_id,
+                            self.margin)
+            if cut:
+                _count("budget_cut_rows")
+        except Exception as e:  # never break the step: this request goes on without the cut
+            _count("budget_errors")
+            log.warning("specgrammar: budget mask failed for request %s (%s: %s); served without it", self.req_id,
+                        type(e).__name__, e)
+            self.budget = _Off()
+        finally:
+            _count("budget_rows")
+            _count("budget_ns", time.perf_counter_ns() - t0)
+
+
+class _Off:
+    lost = False
+
+    def mask_row(self, row, generated, margin=0) -> bool:
+        return False
+
+
+# ------------------------------------------------------------------------------------------- building
+def _request_options(sp) -> dict:
+    opts = ((getattr(sp, "extra_args", None) or {}).get("specgrammar") or {})
+    if isinstance(opts, str):
+        try:
+            opts = json.loads(opts)
+        except ValueError:
+            opts = {}
+    return opts if isinstance(opts, dict) else {}
+
+
+_TOKS: dict = {}  # (tokenizer name, vocab size, engine) -> TokenizerInfo as the backend reads it
+
+
+def grammar_tokenizer(hf, vocab_size: int, engine: str):
+    """The tokenizer as vLLM's structured-output backend reads it (xgrammar: its own decoded vocabulary and special
+    tokens, as ``proposer.GrammarStates._as_vllm_sees_it``), cached per tokenizer."""
+    from specgrammar_plugins.api import TokenizerInfo
+
+    key = (getattr(hf, "name_or_path", id(hf)), vocab_size, engine)
+    tok = _TOKS.get(key)
+    if tok is None:
+        tok = TokenizerInfo.from_hf(hf, vocab_size=vocab_size)
+        if engine == "xgrammar":
+            try:
+                import xgrammar as xgr
+
+                xi = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size)
+                decoded = xi.decoded_vocab
+                specials = frozenset(int(i) for i in xi.special_token_ids)
+                n = min(len(decoded), vocab_size)
+                tok = replace(tok, token_bytes=tuple(b"" if i in specials else bytes(decoded[i]) for i in range(n)),
+                              special_ids=specials)
+            except Exception as e:
+                log.warning("specgrammar: could not read the tokenizer as xgrammar does (%s); using ours", e)
+        _TOKS[key] = tok
+    return tok
+
+
+def with_stops(tok, stop_ids, eos):
+    stop_ids = tuple(sorted(int(t) for t in (stop_ids or ())))
+    if not stop_ids:
+        return tok
+    first = eos if eos in stop_ids else stop_ids[0]
+    return replace(tok, eos_token_id=first, stop_token_ids=tuple(dict.fromkeys([first, *stop_ids])))
+
+
+def build(manager, request):
+    """The request's core ``Budget`` (None: no constraint we map, no max_tokens, or the mask is off); raises
+    ``BudgetError`` when the shortest completion does not fit."""
+    from specgrammar_plugins.api import SpecOptions, check_budget, compile_constraint
+
+    from .structured import ENGINES, engine_options, spec_from_params
+
+    sp = request.sampling_params
+    so = getattr(sp, "structured_outputs", None)
+    spec = spec_from_params(so)
+    if spec is None or getattr(sp, "max_tokens", None) is None:
+        return None
+    if _request_options(sp).get("budget_mask") is False:
+        _count("budget_skipped")
+        return None
+    engine, options = engine_options(manager.vllm_config)
+    engine = ENGINES.get(getattr(so, "_backend", None) or "", engine)
+    vocab = manager.vllm_config.model_config.get_vocab_size()
+    tok = with_stops(grammar_tokenizer(manager.tokenizer, vocab, engine), getattr(sp, "all_stop_token_ids", None),
+                     getattr(sp, "eos_token_id", None))
+    compiled = compile_constraint(spec, tok, engine=engine, **options)
+    return check_budget(compiled, SpecOptions(), int(sp.max_tokens))
+
+
+def wrap_create_grammar(cls) -> None:
+    """``StructuredOutputManager._create_grammar`` (run in vLLM's compile thread pool) returns the grammar wrapped
+    with the request's budget (idempotent)."""
+    orig = cls._create_grammar
+    if getattr(orig, "_specgrammar", False):
+        return
+
+    def _create_grammar(self, request):
+        grammar = orig(self, request)
+        if not enabled():
+            return grammar
+        from specgrammar_plugins.api import BudgetError
+
+        try:
+            budget = build(self, request)
+        except BudgetError as e:  # the launcher's gate refuses it first (400); offline the request fails here
+            _count("budget_refused")
+            log.warning("specgrammar: request %s refused: %s", request.request_id, e)
+            raise
+        except Exception as e:  # our side failed: vLLM's grammar alone (counted, logged)
+            _count("budget_errors")
+            log.warning("specgrammar: no budget mask for request %s (%s: %s)", request.request_id,
+                        type(e).__name__, e)
+            return grammar
+        if budget is None:
+            return grammar
+        _count("budget_requests")
+        _count("budget_exact" if budget.mode == "exact" else "budget_certified")
+        g = BudgetedGrammar(grammar, budget, request.request_id)
+        _LIVE[request.request_id] = g
+        return g
+
+    _create_grammar._specgrammar = True  # type: ignore[attr-defined]
+    _create_grammar.__wrapped__ = orig  # type: ignore[attr-defined]
+    cls._create_grammar = _create_grammar
+
+
+def install(module) -> None:
+    """The wiring hook for ``vllm.v1.structured_output`` (never raises)."""
+    try:
+        wrap_create_grammar(module.StructuredOutputManager)
+    except Exception as e:
+        log.warning("specgrammar: budget mask not installed (%s: %s)", type(e).__name__, e)
+
+
+# ------------------------------------------------------------------------------------------- the launcher's gate
+TOKENIZER_ENV = "SPECGRAMMAR_VLLM_TOKENIZER"
+ENGINE_ENV = "SPECGRAMMAR_VLLM_ENGINE"
+_GATE: dict = {}
+
+
+def gate_check(spec, options, max_tokens: int | None) -> None:
+    """The launcher's up-front refusal (``BudgetError``, a 400 naming the length) of a request whose shortest
+    completion does not fit in ``max_tokens``: compiled by our engine for the served tokenizer
+    (``SPECGRAMMAR_VLLM_TOKENIZER``, set by the launcher) under the core's preparation deadline.  Without a
+    tokenizer or a max_tokens nothing is checked here (the engine still applies the mask)."""
+    from specgrammar_plugins.api import check_budget, compile_constraint
+
+    name = os.environ.get(TOKENIZER_ENV)
+    if not name or max_tokens is None or options.budget_mask is False or not enabled():
+        return
+    engine = os.environ.get(ENGINE_ENV, "xgrammar")
+    tok = _GATE.get((name, engine))
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(name)
+        vocab = _vocab_size(name, hf)
+        tok = _GATE[(name, engine)] = grammar_tokenizer(hf, vocab, engine)
+    opts = {"xgrammar_strict_mode": True} if engine == "xgrammar" else {}
+    compiled = compile_constraint(spec, tok, engine=engine, **opts)
+    check_budget(compiled, options, int(max_tokens))
+
+
+def _vocab_size(name: str, hf) -> int:
+    try:
+        with open(os.path.join(name, "config.json")) as f:
+            return int(json.load(f)["vocab_size"])
+    except Exception:
+        return len(hf)
+
+
+def stats() -> dict:
+    with _LOCK:
+        d = dict(COUNTERS)
+    d["budget_us_per_row"] = round(d["budget_ns"] / 1e3 / d["budget_rows"], 2) if d["budget_rows"] else 0.0
+    return d
