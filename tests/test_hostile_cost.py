@@ -20,7 +20,7 @@ import pytest
 from specgrammar_plugins import ConstraintError, ConstraintSpec, compile_constraint
 from specgrammar_plugins.requests import SpecOptions
 from specgrammar_plugins.bounds import check_cost, gbnf_shortest, prepare_deadline
-from specgrammar_plugins.compiler import LIMITS
+from specgrammar_plugins.bounds import BOUNDS as LIMITS
 from specgrammar_plugins.errors import BudgetError, RequestError, SpecGrammarError
 from specgrammar_plugins.gate import Host, check_request
 from specgrammar_plugins.speculation import check_budget
@@ -98,6 +98,9 @@ def in_child(body: dict) -> dict:
 
 @pytest.mark.parametrize("name, body, words", [
     ("40 doubling GBNF rules (2^40 bytes forced)", {"grammar": DOUBLING}, "SPECGRAMMAR_MAX_FORCED_BYTES"),
+    ("40 doubling Lark rules", {"grammar": "start: r0\n" + "\n".join(f"r{i}: r{i + 1} r{i + 1}" for i in range(40))
+                                + '\nr40: "a"', "grammar_syntax": "lark"}, "SPECGRAMMAR_MAX_FORCED_BYTES"),
+    ("40 doubling EBNF rules", {"grammar": DOUBLING, "grammar_syntax": "ebnf"}, "SPECGRAMMAR_MAX_FORCED_BYTES"),
     ("minItems 10^9", schema({"type": "array", "items": {"type": "integer"}, "minItems": 1000000000}),
      "SPECGRAMMAR_MAX_ITEMS"),
     ("maxItems 10^9", schema({"type": "array", "items": {"type": "integer"}, "maxItems": 1000000000}),

@@ -6,7 +6,7 @@ A request whose constraint is small in bytes can still be unbounded in work: ``a
 and budget walkers) expand such counts, so each is bounded here by arithmetic on the constraint's text, in time
 linear in its size and without recursion (``check_cost``: absolute limits, every host, in ``compile_constraint``;
 ``check_fit``: what cannot fit in the request's budget, in the gate).  Each refusal is a ``ConstraintError`` naming
-the limit and its variable.  The limits (``compiler.LIMITS``, environment variables in brackets):
+the limit and its variable.  The limits (``bounds.BOUNDS``, environment variables in brackets):
 
 - ``max_repeat`` (10,000; ``SPECGRAMMAR_MAX_REPEAT``): any ``{m}`` / ``{m,n}`` count in a regex, a JSON Schema
   ``pattern``, a GBNF / Lark / EBNF grammar;
@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import threading
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 from .errors import ConstraintError
@@ -43,10 +45,29 @@ from .errors import ConstraintError
 _local = threading.local()
 
 
-def _limits():
-    from .compiler import LIMITS
+@dataclass
+class CostLimits:
+    """The bounds of this module (the module docstring), each set by its environment variable or by assigning
+    ``bounds.BOUNDS.<name>`` (beside ``compiler.LIMITS``, which holds the size and compile-time limits: this
+    module sits below the compiler and the engines, which all read it)."""
 
-    return LIMITS
+    max_repeat: int = int(os.environ.get("SPECGRAMMAR_MAX_REPEAT", 10_000))
+    max_expansion: int = int(os.environ.get("SPECGRAMMAR_MAX_EXPANSION", 100_000))
+    max_choices: int = int(os.environ.get("SPECGRAMMAR_MAX_CHOICES", 50_000))
+    max_rules: int = int(os.environ.get("SPECGRAMMAR_MAX_RULES", 1_000))
+    max_properties: int = int(os.environ.get("SPECGRAMMAR_MAX_PROPERTIES", 1_000))
+    max_items: int = int(os.environ.get("SPECGRAMMAR_MAX_ITEMS", 10_000))
+    max_forced_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_FORCED_BYTES", 1 << 20))
+    prepare_timeout_s: float = float(os.environ.get("SPECGRAMMAR_PREPARE_TIMEOUT_S", 5.0))
+    allow_client_chat_template: bool = os.environ.get("SPECGRAMMAR_ALLOW_CLIENT_CHAT_TEMPLATE", "0") == "1"
+    max_chat_template_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_CHAT_TEMPLATE_BYTES", 64 << 10))
+
+
+BOUNDS = CostLimits()
+
+
+def _limits() -> CostLimits:
+    return BOUNDS
 
 
 # ------------------------------------------------------------------------------------------- the deadline
@@ -247,6 +268,61 @@ def gbnf_parse(text: str) -> dict[str, list[list[tuple]]] | None:
         return None
 
 
+_LARK_RULE = re.compile(r"^[ \t]*[?!]?([A-Za-z_][A-Za-z0-9_]*)(?:\.-?\d+)?[ \t]*:(?!:)", re.M)
+
+
+def lark_as_gbnf(text: str) -> str | None:
+    """A Lark grammar's rules and terminals written as GBNF rules, for lengths only: ``[x]`` -> ``(x)?``,
+    ``x ~ n..m`` -> ``x{n,m}``, a ``/regex/`` terminal -> a one-byte literal (its counts are checked on the text
+    itself), aliases and directives dropped.  None when it cannot be read that way."""
+    out = []
+    starts = list(_LARK_RULE.finditer(text))
+    for m, nxt in zip(starts, starts[1:] + [None]):
+        body = text[m.end(): nxt.start() if nxt else len(text)]
+        body = "\n".join(line for line in body.splitlines() if not line.lstrip().startswith(("%", "//")))
+        conv, i, n = [], 0, len(body)
+        while i < n:
+            c = body[i]
+            if c == '"':
+                j = i + 1
+                while j < n and body[j] != '"':
+                    j += 2 if body[j] == "\\" else 1
+                conv.append(body[i:j + 1])
+                i = j + 1
+                while i < n and body[i] == "i":  # a case-insensitive flag
+                    i += 1
+            elif c == "/":
+                j = i + 1
+                while j < n and body[j] != "/":
+                    j += 2 if body[j] == "\\" else 1
+                conv.append('"r"')
+                i = j + 1
+                while i < n and body[i].isalpha():  # flags
+                    i += 1
+            elif c == "[":
+                conv.append("(")
+                i += 1
+            elif c == "]":
+                conv.append(")?")
+                i += 1
+            elif c == "~":
+                mm = re.compile(r"~\s*(\d+)(?:\s*\.\.\s*(\d+))?").match(body, i)
+                if not mm:
+                    return None
+                conv.append("{%s}" % (mm.group(1) if mm.group(2) is None else f"{mm.group(1)},{mm.group(2)}"))
+                i = mm.end()
+            elif body.startswith("->", i):
+                mm = re.compile(r"->\s*[A-Za-z_][A-Za-z0-9_]*").match(body, i)
+                i = mm.end() if mm else i + 2
+            elif c == "." and body.startswith("..", i):
+                return None  # a character range ("a".."z"): one byte
+            else:
+                conv.append(c)
+                i += 1
+        out.append(f"{m.group(1)} ::= {''.join(conv)}")
+    return "\n".join(out) if out else None
+
+
 def _class_char(cls: str) -> str:
     from .gbnf import class_items
 
@@ -263,8 +339,6 @@ def _class_char(cls: str) -> str:
 def gbnf_lengths(rules: dict[str, list[list[tuple]]], cap: int) -> tuple[dict[str, int], dict[str, int]]:
     """Per rule: the byte length of its shortest string, and of the shortest string of its longest alternative
     (lengths saturate at ``cap + 1``; a rule with no finite string is absent).  A fixpoint, no recursion."""
-    from .constraint import ConstraintSpec  # noqa: F401  (keeps the import graph of the package as it is)
-
     sat = cap + 1
     best: dict[str, int] = {}
 
@@ -448,8 +522,8 @@ def check_cost(spec) -> None:
     if kind == "grammar":
         text = spec.value
         _counts(text, "the grammar", kind, grammar=True)
-        if spec.syntax == "gbnf":
-            rules = gbnf_parse(text)
+        if spec.syntax in ("gbnf", "ebnf", "lark"):  # (xgrammar's EBNF is written as GBNF is)
+            rules = gbnf_parse(text if spec.syntax != "lark" else (lark_as_gbnf(text) or ""))
             if rules is None:
                 return
             if len(rules) > lim.max_rules:

@@ -85,7 +85,9 @@ class Limits:
     """Process-wide limits, configurable by environment (``SPECGRAMMAR_MAX_CONSTRAINT_BYTES``,
     ``SPECGRAMMAR_COMPILE_TIMEOUT_S``, ``SPECGRAMMAR_COMPILE_ISOLATION``) or by assigning
     ``constraint.LIMITS.<name>``.  How deeply a constraint may nest: ``nesting.MAX_NESTING``
-    (``SPECGRAMMAR_MAX_NESTING``, 128).
+    (``SPECGRAMMAR_MAX_NESTING``, 128).  The cheap bounds on what a constraint may cost (repetition counts,
+    choices, rules, properties, item counts, forced lengths) and the per-request preparation deadline:
+    ``bounds.BOUNDS`` (issue 33), checked here before any engine runs.
 
     compile_timeout_s: a compile that takes longer is abandoned: the request gets a ``ConstraintError`` at once.
     With ``engine="auto"`` every engine but the last gets ``auto_try_s`` before the next is tried.
@@ -105,17 +107,6 @@ class Limits:
     compile_timeout_s: float = float(os.environ.get("SPECGRAMMAR_COMPILE_TIMEOUT_S", 30.0))
     auto_try_s: float = 2.0
     compile_isolation: str = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "thread")
-    # issue 33: cheap bounds before any work and the one deadline per request (``bounds.py`` documents each)
-    max_repeat: int = int(os.environ.get("SPECGRAMMAR_MAX_REPEAT", 10_000))
-    max_expansion: int = int(os.environ.get("SPECGRAMMAR_MAX_EXPANSION", 100_000))
-    max_choices: int = int(os.environ.get("SPECGRAMMAR_MAX_CHOICES", 50_000))
-    max_rules: int = int(os.environ.get("SPECGRAMMAR_MAX_RULES", 1_000))
-    max_properties: int = int(os.environ.get("SPECGRAMMAR_MAX_PROPERTIES", 1_000))
-    max_items: int = int(os.environ.get("SPECGRAMMAR_MAX_ITEMS", 10_000))
-    max_forced_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_FORCED_BYTES", 1 << 20))
-    prepare_timeout_s: float = float(os.environ.get("SPECGRAMMAR_PREPARE_TIMEOUT_S", 5.0))
-    allow_client_chat_template: bool = os.environ.get("SPECGRAMMAR_ALLOW_CLIENT_CHAT_TEMPLATE", "0") == "1"
-    max_chat_template_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_CHAT_TEMPLATE_BYTES", 64 << 10))
 
 
 LIMITS = Limits()

@@ -164,7 +164,7 @@ class Matcher(Protocol):
 
     def jump_forward(self, limit: int | None = None) -> bytes:
         """The bytes every continuation from here starts with (b"" when none, or when the engine cannot tell),
-        at most ``limit`` bytes (default and ceiling: ``LIMITS.max_forced_bytes``, ``engines._common.forced_cap``);
+        at most ``limit`` bytes (default and ceiling: ``bounds.BOUNDS.max_forced_bytes``, ``engines._common.forced_cap``);
         may end inside a UTF-8 sequence.  The forced drafter asks for it where the single-token walk ends.
         An engine whose b"" always means "no byte is forced" says so with a class attribute
         ``jump_forward_complete = True`` (read with ``getattr``: absent means it cannot tell)."""

@@ -86,7 +86,7 @@ class Host:
     default_max_tokens: int | None = None
     count_tokens: Callable[[dict], int] | None = field(default=None, compare=False)
     ranges: tuple[tuple[str, tuple[bool, float | None, float | None]], ...] = ()  # SAMPLING entries it replaces
-    client_templates: bool | None = None  # a client's own chat template: None = LIMITS.allow_client_chat_template
+    client_templates: bool | None = None  # a client's own chat template: None = bounds.BOUNDS.allow_client_chat_template
 
 
 @dataclass(frozen=True)
@@ -183,9 +183,9 @@ def _stops(body: dict) -> list[str]:
 def _check_template(body: dict, host: Host) -> None:
     """A chat template the client chose (``chat_template`` / ``chat_template_kwargs.chat_template``) is code the
     server runs (jinja, with loops): refused unless the operator allows it (``Host.client_templates``, default
-    ``LIMITS.allow_client_chat_template``, ``SPECGRAMMAR_ALLOW_CLIENT_CHAT_TEMPLATE=1``), and then bounded in size
-    (``LIMITS.max_chat_template_bytes``, 64 KiB)."""
-    from .compiler import LIMITS
+    ``bounds.BOUNDS.allow_client_chat_template``, ``SPECGRAMMAR_ALLOW_CLIENT_CHAT_TEMPLATE=1``), and then bounded in size
+    (``bounds.BOUNDS.max_chat_template_bytes``, 64 KiB)."""
+    from .bounds import BOUNDS as LIMITS
 
     kw = body.get("chat_template_kwargs")
     if kw is not None and not isinstance(kw, dict):

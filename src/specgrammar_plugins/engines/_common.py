@@ -26,10 +26,10 @@ MAX_FORCED = 32
 
 def forced_cap(limit: int | None) -> int:
     """The most bytes a ``jump_forward`` may return: ``limit`` (the caller's: a request's budget in bytes), never
-    more than ``LIMITS.max_forced_bytes`` (``bounds.py``: no grammar that passed the cheap bounds forces more)."""
-    from ..compiler import LIMITS
+    more than ``bounds.BOUNDS.max_forced_bytes`` (``bounds.py``: no grammar that passed the cheap bounds forces more)."""
+    from ..bounds import BOUNDS
 
-    cap = LIMITS.max_forced_bytes
+    cap = BOUNDS.max_forced_bytes
     return cap if limit is None else max(0, min(int(limit), cap))
 
 
