@@ -60,9 +60,38 @@ def _recv(fh):
     return pickle.loads(_read_exact(fh, n))
 
 
+# The address space a worker may use (``SPECGRAMMAR_COMPILE_WORKER_MAX_BYTES``, default 3 GiB; 0: no limit).  A
+# worker holding xgrammar and torch maps ~0.75 GB; a compile that needs more than the rest fails in the worker
+# (std::bad_alloc, MemoryError, or the worker dies) and the request gets a ConstraintError naming the limit, where
+# it used to take the machine's memory (issue 33).
+MAX_BYTES = int(os.environ.get("SPECGRAMMAR_COMPILE_WORKER_MAX_BYTES", 3 << 30))
+
+
+def _memory_words(reason: str) -> bool:
+    return any(w in reason for w in ("bad_alloc", "MemoryError", "memory allocation", "Cannot allocate memory"))
+
+
+def _out_of_memory(engine, kind) -> ConstraintError:
+    return ConstraintError(f"compiling needed more than {MAX_BYTES} bytes of memory (the compile worker's memory "
+                           "limit, SPECGRAMMAR_COMPILE_WORKER_MAX_BYTES); abandoned", engine=engine, kind=kind)
+
+
+def _dead(w) -> bool:
+    try:
+        w.proc.wait(1.0)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
 # ---------------------------------------------------------------------------------------------- the child
 def serve(inp, out) -> None:
     from .plugins import get_engine
+
+    if MAX_BYTES > 0:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (MAX_BYTES, MAX_BYTES))
 
     toks: dict = {}
     _send(out, ("ready", os.getpid()))
@@ -192,6 +221,8 @@ class WorkerPool:
                                       "abandoned: the compiling process was killed", engine=eng.name, kind=spec.kind)
             keep = True
         except (EOFError, OSError, pickle.UnpicklingError) as e:
+            if MAX_BYTES > 0 and _dead(w):  # died mid-compile: a native abort at the memory limit
+                raise _out_of_memory(eng.name, spec.kind) from None
             raise ConstraintError(f"the compile worker died ({type(e).__name__}: {e})", engine=eng.name,
                                   kind=spec.kind) from None
         finally:
@@ -201,6 +232,8 @@ class WorkerPool:
                 w.kill()
                 self._drop()
         if reply[0] == "error":
+            if MAX_BYTES > 0 and _memory_words(reply[1]):
+                raise _out_of_memory(reply[2], reply[3])
             raise ConstraintError(reply[1], engine=reply[2], kind=reply[3])
         importer = getattr(eng, "import_compiled", None)
         if reply[1] is not None and importer is not None:
