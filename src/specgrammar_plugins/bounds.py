@@ -523,7 +523,13 @@ def check_cost(spec) -> None:
         text = spec.value
         _counts(text, "the grammar", kind, grammar=True)
         if spec.syntax in ("gbnf", "ebnf", "lark"):  # (xgrammar's EBNF is written as GBNF is)
-            rules = gbnf_parse(text if spec.syntax != "lark" else (lark_as_gbnf(text) or ""))
+            from .gbnf import split_rules
+
+            text = text if spec.syntax != "lark" else (lark_as_gbnf(text) or "")
+            n = len(split_rules(text))  # counted before any body is read
+            if n > lim.max_rules:
+                raise _refuse(f"the grammar has {n} rules; the limit is {lim.max_rules}", "SPECGRAMMAR_MAX_RULES", kind)
+            rules = gbnf_parse(text)
             if rules is None:
                 return
             if len(rules) > lim.max_rules:
@@ -568,7 +574,7 @@ def check_fit(spec, options, max_tokens: int | None, max_token_bytes: int | None
     """What cannot fit in the request's budget, refused before any compile (``BudgetError``): a JSON Schema
     ``minItems`` / ``minLength`` / ``minProperties`` or a GBNF grammar's shortest string that needs more bytes than
     ``budget`` tokens of at most ``max_token_bytes`` bytes each can spell (an item takes at least 2 bytes with its
-    comma, a property 6: ``"":0,``).  Off where the budget is (``budget_mask: false``, no ``max_tokens``)."""
+    comma, a property 5: ``"":0,``; the schema's top level only, where its ``type`` makes the keyword bind).  Off where the budget is (``budget_mask: false``, no ``max_tokens``)."""
     from .errors import BudgetError
 
     if options is not None and getattr(options, "budget_mask", None) is False:
@@ -587,10 +593,12 @@ def check_fit(spec, options, max_tokens: int | None, max_token_bytes: int | None
                           budget=budget, kind=spec.kind)
 
     if spec.kind == "json_schema":
-        for node in _schema_nodes(spec.schema):
-            for key, per in (("minItems", 2), ("minLength", 1), ("minProperties", 6)):
+        node = spec.schema  # only the top level, and only where its type makes the keyword bind (a keyword under
+        if isinstance(node, dict):  # anyOf, or on a value that may be of another type, does not)
+            for key, typ, per in (("minItems", "array", 2), ("minLength", "string", 1), ("minProperties", "object", 5)):
                 v = node.get(key)
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and v * per > room:
+                if (node.get("type") == typ and isinstance(v, (int, float)) and not isinstance(v, bool)
+                        and v * per > room):
                     refuse(f"{key} {v:g}", int(v * per))
     elif spec.kind == "grammar" and spec.syntax == "gbnf":
         rules = gbnf_parse(spec.value)
