@@ -326,10 +326,16 @@ def test_non_ascii_choice_drafts_and_the_engine_lives(engines):
 
 
 def test_a_budget_that_cuts_the_structure_off_is_reported(engines):
-    """The drafting side of budget feasibility: vLLM samples the target's tokens without a budget mask, so the
-    proposer counts (``budget_cut_off``) and logs each structured request whose constraint cannot end within its
-    max_tokens; one that can end is not counted."""
+    """A request that turns the budget mask off (``budget_mask: false``; with it on, vLLM's bitmask carries the
+    budget: tests/test_vllm_budget.py) is sampled without one, so the proposer counts (``budget_cut_off``) and
+    logs each such structured request whose constraint cannot end within its max_tokens; one that can end is not
+    counted."""
     ex = W.examples("json_extraction", "eval", 1)[0]
+    import functools
+
+    from specgrammar_vllm.offline import sampling_params as unmasked
+
+    sampling_params = functools.partial(unmasked, extra_args={"specgrammar": {"budget_mask": False}})
     prompt = W.chat_prompt(ex.prompt)
     prop = engines.proposer
     before = prop.counters["budget_cut_off"]

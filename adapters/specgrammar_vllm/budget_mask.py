@@ -23,8 +23,12 @@ to the target's logits before vLLM's sampler and rejection sampler read them.  S
   verification position of a speculative step read the same combined grammar-and-budget row plain decoding
   reads: greedy speculative output equals greedy plain output, and at T > 0 vLLM's rejection sampler returns the
   target's law under the combined row.
-- The draft proposers (``proposer.GrammarStates``) find a request's budget here (``budget_of``), so that the
-  engine's ``budget_cut_off`` counter counts only requests that really run without one.
+- **drafts**: vLLM's ``validate_tokens`` of a step's drafts goes through the wrapper too, which ends them
+  before the first one the budget's row forbids where drafts are a function of the prefix (greedy requests,
+  vLLM's default argmax drafts, forced and recipe drafts); sampled drafts stay whole (cutting them by value would
+  bias the rejection sampler) and a forbidden one is rejected by the row.  The draft proposers
+  (``proposer.GrammarStates``) find a request's budget here (``budget_of``), so that the engine's
+  ``budget_cut_off`` counter counts only requests that really run without one.
 
 ``SPECGRAMMAR_VLLM_BUDGET=0`` turns it off engine-wide (vLLM then cuts structured outputs at max_tokens); a request
 turns it off with ``"specgrammar": {"budget_mask": false}`` (``vllm_xargs.specgrammar`` / ``extra_args``).
@@ -48,7 +52,7 @@ MODULE = "vllm.v1.structured_output"
 MARGIN = int(os.environ.get("SPECGRAMMAR_VLLM_BUDGET_MARGIN", 16))
 COUNTERS: dict = {"budget_requests": 0, "budget_exact": 0, "budget_certified": 0, "budget_refused": 0,
                   "budget_skipped": 0, "budget_errors": 0, "budget_rows": 0, "budget_cut_rows": 0,
-                  "budget_lost": 0, "budget_ns": 0}
+                  "budget_lost": 0, "budget_drafts_cut": 0, "budget_ns": 0}
 _LOCK = threading.Lock()
 # request id -> its BudgetedGrammar (the proposers in the same EngineCore process read it)
 _LIVE: "weakref.WeakValueDictionary[str, BudgetedGrammar]" = weakref.WeakValueDictionary()
@@ -74,8 +78,11 @@ class BudgetedGrammar:
     generated tokens are tracked through ``accept_tokens`` / ``rollback`` / ``reset`` (vLLM advances the grammar
     through a step's drafts while it fills their rows, then rolls back), so a row's prefix is always known."""
 
-    def __init__(self, inner, budget, req_id: str, margin: int = MARGIN):
+    def __init__(self, inner, budget, req_id: str, margin: int = MARGIN, width: int = 0,
+                 deterministic_drafts: bool = False):
         self.inner, self.budget, self.req_id, self.margin = inner, budget, req_id, margin
+        self.words = (int(width) + 31) // 32
+        self.deterministic_drafts = deterministic_drafts
         self.tokens: list[int] = []
         self.lost = False
 
@@ -90,9 +97,30 @@ class BudgetedGrammar:
         return True
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
-        # (no budget truncation of drafts here: cutting a sampled draft by its value would bias vLLM's rejection
-        # sampler; a draft the budget forbids gets target probability 0 from the row and is rejected exactly)
-        return self.inner.validate_tokens(tokens)
+        """vLLM's check of a step's drafts, then the budget's: drafts end before the first one the budget's row
+        forbids, where drafts are a function of the prefix (greedy requests, argmax drafts, host drafts).  Sampled
+        drafts are left whole (cutting a sampled draft by its value would bias vLLM's rejection sampler); the
+        row gives a forbidden one target probability 0 and it is rejected, exactly."""
+        ok = self.inner.validate_tokens(tokens)
+        if not self.deterministic_drafts or not ok or not self.words:
+            return ok
+        from specgrammar_plugins.api import mask_allows
+
+        t0 = time.thread_time_ns()
+        try:
+            prefix = list(self.tokens)
+            for i, t in enumerate(ok):
+                row = np.full(self.words, -1, dtype=np.int32)
+                self.budget.mask_row(row, prefix, self.margin)
+                if not mask_allows(row, int(t)):
+                    _count("budget_drafts_cut", len(ok) - i)
+                    return ok[:i]
+                prefix.append(int(t))
+            return ok
+        except Exception:  # (fill_bitmask says so and turns the cut off for this request)
+            return ok
+        finally:
+            _count("budget_ns", time.thread_time_ns() - t0)
 
     def rollback(self, num_tokens: int) -> None:
         self.inner.rollback(num_tokens)
@@ -236,7 +264,13 @@ def wrap_create_grammar(cls) -> None:
             return grammar
         _count("budget_requests")
         _count("budget_exact" if budget.mode == "exact" else "budget_certified")
-        g = BudgetedGrammar(grammar, budget, request.request_id)
+        spec_cfg = getattr(self.vllm_config, "speculative_config", None)
+        sp = request.sampling_params
+        greedy = (getattr(sp, "temperature", 1.0) or 0.0) < 1e-5
+        g = BudgetedGrammar(grammar, budget, request.request_id,
+                            width=self.vllm_config.model_config.get_vocab_size(),
+                            deterministic_drafts=greedy or getattr(spec_cfg, "draft_sample_method",
+                                                                   "greedy") != "probabilistic")
         _LIVE[request.request_id] = g
         return g
 
