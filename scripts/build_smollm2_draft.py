@@ -240,7 +240,7 @@ def chat_tokens(llm, user: str) -> list[int]:
     return llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
 
-def generate_data(path: Path, seed: int, threads: int) -> list[dict]:
+def generate_data(path: Path, seed: int, threads: int, only: str | None = None) -> list[dict]:
     """Every job's answer, appended to ``path``.partial as it comes (a rerun resumes: each job is seeded by its
     index, so a resumed run writes what one run would), then ``path`` atomically."""
     from specgrammar_llama_cpp import SpecLlama
@@ -269,7 +269,7 @@ def generate_data(path: Path, seed: int, threads: int) -> list[dict]:
     t0 = time.time()
     with partial.open("a") as log, tqdm(jobs, desc="target answers", unit="prompt") as bar:
         for i, (p, temp) in enumerate(bar):
-            if i in done:
+            if i in done or (only and not p["source"].startswith(tuple(only.split(",")))):
                 continue
             try:
                 compiled = compile_constraint(spec_of(p), tokinfo)
@@ -298,6 +298,8 @@ def generate_data(path: Path, seed: int, threads: int) -> list[dict]:
             log.flush()
             bar.set_postfix(tokens=sum(len(x["answer_ids"]) for x in done.values()), skipped=sum(skipped.values()))
     rows = [done[i] for i in sorted(done)]
+    if only:  # a share of the jobs (another process does the rest): the partial file only
+        return rows
     tmp = path.with_suffix(".tmp")
     with tmp.open("w") as f:
         for row in rows:
@@ -321,7 +323,7 @@ def split(rows: list[dict], seed: int) -> tuple[list[dict], list[dict]]:
 
 
 # ---------------------------------------------------------------------------------------------- model, training
-def make_draft(layers=LAYERS):
+def make_draft(layers=LAYERS, gguf_path: Path | None = None):
     """A LlamaForCausalLM with the target's embeddings (frozen, tied to the output layer), the target's decoder
     layers ``layers`` (renumbered 0..n-1) and its final norm."""
     import torch
@@ -329,11 +331,11 @@ def make_draft(layers=LAYERS):
 
     from specgrammar_plugins.models import real_draft as RD
 
-    cfg = RD.target_config()
+    cfg = RD.target_config(gguf_path)
     cfg = {k: v for k, v in cfg.items() if k != "architectures"}
     cfg["num_hidden_layers"] = len(layers)
     names = ["model.embed_tokens.weight", "model.norm.weight"] + [n for i in layers for n in RD.layer_names(i)]
-    src = RD.target_tensors(names)
+    src = RD.target_tensors(names, gguf_path)
     sd = {}
     for k, v in src.items():
         if k.startswith("model.layers."):
@@ -374,6 +376,8 @@ def _batch(rows: list[dict], max_len: int):
 
 
 def answer_logits(model, ids, mask, bi, pos):
+    dev = model.model.embed_tokens.weight.device
+    ids, mask, bi, pos = ids.to(dev), mask.to(dev), bi.to(dev), pos.to(dev)
     h = model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # final norm applied
     return h[bi, pos] @ model.model.embed_tokens.weight.T
 
@@ -392,7 +396,7 @@ def agreement(model, rows: list[dict], desc: str, batch: int = 8) -> dict:
         for i in tqdm(range(0, len(rows), batch), desc=desc, unit="batch"):
             chunk = rows[i:i + batch]
             ids, mask, bi, pos, lab = _batch(chunk, 10**9)
-            ok = (answer_logits(model, ids, mask, bi, pos).argmax(-1) == lab).tolist()
+            ok = (answer_logits(model, ids, mask, bi, pos).argmax(-1).cpu() == lab).tolist()
             j = 0
             for r in chunk:
                 n = len(r["answer_ids"])
@@ -445,7 +449,8 @@ def train(model, rows: list[dict], seed: int, hp: dict) -> dict:
         for step in range(total):
             chunk = [rows[j] for j in batches[step]]
             ids, mask, bi, pos, lab = _batch(chunk, hp["max_len"])
-            loss = torch.nn.functional.cross_entropy(answer_logits(model, ids, mask, bi, pos), lab)
+            logits = answer_logits(model, ids, mask, bi, pos)
+            loss = torch.nn.functional.cross_entropy(logits, lab.to(logits.device))
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             opt.zero_grad(set_to_none=True)
@@ -467,7 +472,8 @@ def train(model, rows: list[dict], seed: int, hp: dict) -> dict:
 def save(model, layers, out: Path) -> Path:
     from safetensors.torch import save_file
 
-    state = {k: v.to(dtype=__import__("torch").float16).contiguous() for k, v in trained_state(model).items()}
+    state = {k: v.to(device="cpu", dtype=__import__("torch").float16).contiguous()
+             for k, v in trained_state(model).items()}
     out.mkdir(parents=True, exist_ok=True)
     path = out / "layers.safetensors"
     save_file(state, str(path), metadata={"target_layers": json.dumps(list(layers)), "seed": str(SEED)})
@@ -478,7 +484,8 @@ def load_committed(model, path: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    sd = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
+    dev = model.model.embed_tokens.weight.device
+    sd = {k: v.to(device=dev, dtype=torch.float32) for k, v in load_file(str(path)).items()}
     result = model.load_state_dict(sd, strict=False)
     assert not result.unexpected_keys, result
 
@@ -558,6 +565,33 @@ def measure(n: int, threads: int, k: int = 4) -> dict:
 
 
 
+def write_start_gguf(out: Path, layers=LAYERS) -> Path:
+    """A GGUF holding the target's metadata and only the tensors the draft starts from (token embeddings, the
+    kept layers, the final norm), bytes as stored, without the vocabulary: ~39 MB, to carry to a machine without the target's package."""
+    import gguf
+
+    from specgrammar_plugins.models import real_draft as RD
+
+    r = RD._reader(str(real.smollm2_gguf()))
+    keep = {"token_embd.weight", "output_norm.weight"} | {f"blk.{i}.{g}" for i in layers for g in RD.HF_LAYER}
+    w = gguf.GGUFWriter(str(out), "llama")
+    for field in r.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF.") or field.name in (
+                "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
+            continue  # training reads no vocabulary (the ids it needs are in the data)
+        vtype = field.types[0]
+        w.add_key_value(field.name, field.contents(), vtype,
+                        sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if t.name in keep:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -565,9 +599,17 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="llama.cpp / torch threads (1: a busy 2-core machine "
                     "stalls with 2)")
     ap.add_argument("--data-only", action="store_true")
+    ap.add_argument("--only", metavar="SOURCE", help="only the jobs whose source starts so (comma-separated) "
+                    "(processes sharing the data's jobs; the partial file collects them)")
     ap.add_argument("--eval-only", action="store_true", help="re-measure the committed weights")
     ap.add_argument("--steps", type=int, default=HP["steps"])
+    ap.add_argument("--lr", type=float, default=HP["lr"])
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--device", default="cpu", help="torch device for training (cpu; cuda where one is at hand)")
+    ap.add_argument("--data", type=Path, help="the data file (default: the build folder's data.jsonl)")
+    ap.add_argument("--target-gguf", type=Path, help="read the starting tensors from this GGUF (default: the "
+                    "target's; --start-gguf writes a small one holding only them, to train on another machine)")
+    ap.add_argument("--start-gguf", type=Path, metavar="OUT", help="write the starting tensors' GGUF and stop")
     ap.add_argument("--measure", type=int, default=0, metavar="N",
                     help="only measure the committed draft through SpecLlama on N json_extraction eval prompts")
     args = ap.parse_args(argv)
@@ -579,15 +621,21 @@ def main(argv=None) -> int:
     np.random.seed(SEED)
     torch.manual_seed(SEED)
     torch.set_num_threads(args.threads)
-    data_path = build_dir() / "data.jsonl"
+    if args.start_gguf:
+        write_start_gguf(args.start_gguf)
+        return 0
+    data_path = args.data or build_dir() / "data.jsonl"
+    if args.only:
+        generate_data(data_path, SEED, args.threads, only=args.only)
+        return 0
     rows = load_data(data_path) if data_path.is_file() else generate_data(data_path, SEED, args.threads)
     if args.data_only:
         return 0
     train_rows, held = split(rows, SEED)
     print(f"data: {len(train_rows)} training answers, {len(held)} held out", file=sys.stderr)
-    model = make_draft(LAYERS)
+    model = make_draft(LAYERS, args.target_gguf).to(args.device)
     before = agreement(model, held, "held-out agreement (init)")
-    hp = {**HP, "steps": args.steps}
+    hp = {**HP, "steps": args.steps, "lr": args.lr}
     if args.eval_only:
         load_committed(model, args.out / "layers.safetensors")
         fit = json.loads((args.out / "metrics.json").read_text()).get("training", {})
@@ -601,6 +649,7 @@ def main(argv=None) -> int:
     size = (args.out / "layers.safetensors").stat().st_size
     metrics = {
         "name": "smollm2-135m-draft", "seed": SEED, "threads": args.threads, "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "target": real.GGUF_NAME, "target_layers": list(LAYERS),
         "params": {"trained": n_trained, "total": n_total, "committed_bytes": size},
         "data": {"answers": len(rows), "answer_tokens": sum(len(r["answer_ids"]) for r in rows),

@@ -154,6 +154,9 @@ def _atomic_dir(final: Path, build) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
     try:
         build(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         try:
             os.replace(tmp, final)
         except OSError:  # another process built it first
@@ -165,8 +168,21 @@ def _atomic_dir(final: Path, build) -> Path:
     return final
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
 def _tokenizer_files(out: Path, gguf_path: Path) -> None:
-    """The target's tokenizer as transformers files (transformers' own GGUF tokenizer reader)."""
+    """The target's tokenizer as transformers files: copied from the target's converted folder when it exists
+    (``real.smollm2_hf_folder``), else read from the GGUF by transformers' own GGUF tokenizer reader."""
+    from . import real
+
+    if getattr(real, "smollm2_converted", lambda: False)():
+        src = real.smollm2_folder_path()
+        found = [f for f in TOKENIZER_FILES if (src / f).is_file()]
+        if "tokenizer.json" in found and "tokenizer_config.json" in found:
+            for f in found:
+                shutil.copy(src / f, out / f)
+            return
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -235,8 +251,7 @@ def smollm2_draft_gguf(progress: bool = True) -> Path:
                 value = int(gguf.LlamaFileType.MOSTLY_F16)
             w.add_key_value(field.name, value, vtype, sub_type=sub)
         emb = next(t for t in r.tensors if t.name == "token_embd.weight")
-        w.add_tensor("token_embd.weight", np.asarray(emb.data), raw_shape=tuple(int(x) for x in reversed(emb.shape)),
-                     raw_dtype=emb.tensor_type)
+        w.add_tensor("token_embd.weight", np.asarray(emb.data), raw_dtype=emb.tensor_type)  # bytes as stored
         for i in range(n):
             for hf, g in GGUF_LAYER.items():
                 arr = tensors[f"model.layers.{i}.{hf}"]
@@ -251,6 +266,7 @@ def smollm2_draft_gguf(progress: bool = True) -> Path:
         w.write_kv_data_to_file()
         w.write_tensors_to_file(progress=progress)
         w.close()
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it private
         os.replace(tmp_name, final)
     finally:
         if os.path.exists(tmp_name):
