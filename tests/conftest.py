@@ -89,3 +89,57 @@ def fault_in_one_request(states, message: str = "an injected fault in our drafti
         yield
     finally:
         del states.begin
+
+
+# --- the test tiers (issue 31) -------------------------------------------------------------------------------------
+# `make test` runs everything; `make test-fast` runs what is not marked `slow`: the core, the laws, the engines and
+# each adapter's smoke test, with at most one server started (test_mlx_patch's).  A test is slow when it is marked so
+# in its file, or listed here: a whole file (it starts servers or runs a real model), or test names in a file (by
+# measured duration, `pytest --durations`: several seconds each, or a server of their own).  Everything still runs
+# in `make test`; nothing here skips a test.
+SLOW_FILES = {
+    "test_bench_suite.py",  # every `specgrammar bench NAME --quick`, each a process with its host
+    "test_concurrency.py",  # 32 concurrent requests against mlx-lm and vLLM servers
+    "test_vllm_serve.py",  # our vLLM launcher, and the README's quick start as written
+    "test_hostile.py", "test_hostile_host.py",  # hostile-input probes against both servers
+    "test_mlx_server.py",  # the patched mlx_lm.server, two servers
+    "test_real_model.py", "test_real_drafting.py", "test_real_draft.py",  # SmolLM2-135M through every host
+}
+SLOW_TESTS = {
+    "test_budget.py": {"test_generated_schemas_end_within_the_budget", "test_regex_and_choice_end_within_the_budget",
+                       "test_the_output_law_is_the_target_law_under_the_budget_mask",
+                       "test_exact_cut_is_the_brute_force_feasible_set"},
+    "test_cli.py": {"test_check_reports_engines_and_errors"},
+    "test_cost.py": {"test_cfg_workloads_get_the_exact_cost_and_its_shortest_way_is_valid",
+                     "test_verifier_samples_q_lambda_exactly"},
+    "test_fuzz.py": {"test_the_gate_checks_or_raises_our_errors"},
+    "test_law_backends.py": {"test_the_committed_token_follows_the_target_law",
+                             "test_full_size_rows_give_identical_verdicts"},
+    "test_llama_cpp_adapter.py": {"test_greedy_equals_stock_every_k", "test_recipe_pack_drafts_without_a_draft_model"},
+    "test_loop.py": {"test_loop_law_matches_plain_constrained_sampling"},
+    "test_mlx_law.py": {"test_tokens_per_target_pass_vs_mlx_speculative"},
+    "test_models.py": {"test_build_is_deterministic"},
+    "test_packaging.py": {"test_the_wheel_holds_the_data"},
+    "test_schema_keywords.py": {"test_instances_violating_only_one_keyword_are_rejected"},
+    "test_vllm_adapter.py": {"test_vllm_cpu_temperature_bug_and_fix_in_a_subprocess"},
+    "test_vllm_proposer.py": {"test_output_law_at_positive_temperature_matches_plain", "test_no_request_state_leaks"},
+    "test_vllm_draft_model.py": {  # the tests on the module's vLLM runs over the workloads and real schemas
+        "test_greedy_outputs_equal_plain", "test_blind_drafts_are_truncated_and_ours_never",
+        "test_more_tokens_per_target_pass_than_vllms_own_draft_model",
+        "test_a_fault_in_our_drafting_drafts_nothing_for_that_request_and_the_engine_goes_on",
+        "test_argmax_drafts_mask_only_the_rows_whose_argmax_the_grammar_rejects",
+        "test_refused_drafts_option_reaches_the_proposer_through_vllms_config",
+        "test_draft_confidence_option_reaches_the_proposer_through_vllms_config"},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fname = item.path.name
+        name = getattr(item, "originalname", None) or item.name.split("[")[0]
+        if fname in SLOW_FILES or name in SLOW_TESTS.get(fname, ()):
+            item.add_marker(pytest.mark.slow)
+        # pytest-xdist (`--dist loadgroup`, scripts/test.sh): a file's tests stay on one worker, so a module-scoped
+        # server or engine starts once, unless a test names a group of its own
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(fname))
