@@ -52,7 +52,7 @@ MODULE = "vllm.v1.structured_output"
 MARGIN = int(os.environ.get("SPECGRAMMAR_VLLM_BUDGET_MARGIN", 16))
 COUNTERS: dict = {"budget_requests": 0, "budget_exact": 0, "budget_certified": 0, "budget_refused": 0,
                   "budget_skipped": 0, "budget_errors": 0, "budget_rows": 0, "budget_cut_rows": 0,
-                  "budget_lost": 0, "budget_drafts_cut": 0, "budget_ns": 0}
+                  "budget_lost": 0, "budget_drafts_cut": 0, "budget_uncertified": 0, "budget_ns": 0}
 _LOCK = threading.Lock()
 # request id -> its BudgetedGrammar (the proposers in the same EngineCore process read it)
 _LIVE: "weakref.WeakValueDictionary[str, BudgetedGrammar]" = weakref.WeakValueDictionary()
@@ -252,6 +252,12 @@ def wrap_create_grammar(cls) -> None:
         try:
             budget = build(self, request)
         except BudgetError as e:  # the launcher's gate refuses it first (400); offline the request fails here
+            if e.shortest is None:  # nothing certified for vLLM's form of the grammar (its EBNF: no GBNF
+                # shortest-string certificate, and the greedy walk found no end): served as before, without the
+                # mask, and counted (the proposer's budget_cut_off counts it too when it cannot end)
+                _count("budget_uncertified")
+                log.warning("specgrammar: request %s runs without the budget mask: %s", request.request_id, e)
+                return grammar
             _count("budget_refused")
             log.warning("specgrammar: request %s refused: %s", request.request_id, e)
             raise

@@ -137,6 +137,9 @@ def exact_pattern(compiled: CompiledConstraint) -> str | None:
     return None
 
 
+_EXACT_ROWS: dict = {}  # (pattern, tokenizer, width) -> (ExactBudget rows, largest Delta per state)
+
+
 class ExactBudget(Budget):
     """U = J from the constraint's DFA (``cost.RegularCost``): the cut is part of the mask row."""
 
@@ -147,8 +150,15 @@ class ExactBudget(Budget):
         self.cost = RegularCost(compiled.spec, compiled.tokenizer, pattern=pattern, deadline=deadline)
         self.width = compiled.tokenizer.vocab_size
         self.shortest = self.cost.cost_to_go([])
-        self._rows: dict[tuple, np.ndarray] = {}  # (state, k) -> packed row of the tokens with Delta <= k
-        self._dmax: dict[tuple, float] = {}  # state -> the largest finite Delta of a token the DFA allows there
+        # both depend on the constraint alone (not the request's budget or prefix): shared by its requests, as
+        # the cost's graph is (a served constraint's rows are built once, not per request)
+        shared = _EXACT_ROWS.get((pattern, compiled.tokenizer.fingerprint, self.width))
+        if shared is None:
+            while len(_EXACT_ROWS) >= 32:
+                _EXACT_ROWS.pop(next(iter(_EXACT_ROWS)))
+            shared = _EXACT_ROWS[(pattern, compiled.tokenizer.fingerprint, self.width)] = ({}, {})
+        self._rows: dict[tuple, np.ndarray] = shared[0]  # (state, k) -> packed row of the tokens with Delta <= k
+        self._dmax: dict[tuple, float] = shared[1]  # state -> the largest finite Delta of a token the DFA allows
 
     def _k(self, generated: Sequence[int]):
         """(state, k): a token fits iff Delta <= k = r - J (Delta = J(next) - J + 1: J(next) <= r - 1)."""
