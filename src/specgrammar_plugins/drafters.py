@@ -10,6 +10,11 @@ verified by the target; nothing is injected past the verifier.
   benchmarks can reproduce the blind-draft problem (a grammar-invalid draft ends the block and is rejected).
 - ``RecipeDrafter``: the run a recipe pack (``recipes``) holds for the context; ``SuffixDrafter``: the online
   suffix index over recently verified outputs.
+- ``LayoutDrafter``: the model's own layout (whitespace, brackets, separators where the grammar allows any),
+  learnt from its verified outputs (``recipes.layout``): this request's output so far, the server's, a pack's.
+- ``PromptLookupDrafter``: spans copied from the prompt (token n-gram match of the recent output against the
+  prompt, as llama-cpp-python's ``LlamaPromptLookupDecoding``; then a text match, which survives the output
+  tokenizing a copied value differently), each candidate tried through the block's grammar mask.
 - ``ChainDrafter``: tries its drafters in order at every position (forced, then recipe, then model).
 
 ``build_chain(names, DraftContext)`` builds one request's chain from the registered drafter factories.
@@ -271,3 +276,188 @@ def observe(drafter: Drafter | None, tokens: Sequence[int], start: int = 0) -> N
         fn = getattr(d, "observe", None)
         if fn is not None:
             fn(tokens, start)
+
+
+class LayoutDrafter:
+    """The model's layout (``recipes.layout.LayoutIndex``): structure tokens the grammar leaves open (whitespace,
+    separators, quotes), proposed from what followed the same structural state and layout symbols before.  Asks,
+    in order: the request's own committed output (learnt as it grows, support 1), the server's index (taught by
+    every finished request through ``observe``) and a recipe pack's layout table.  Drafts go through the block's
+    mask (``push``); proposes nothing without a grammar unless ``unconstrained``."""
+
+    name = "layout"
+
+    def __init__(self, token_bytes, server=None, pack_index=None, *, local: bool = True, unconstrained: bool = False):
+        from .recipes.layout import LayoutIndex
+
+        self.token_bytes = token_bytes
+        self.server = server
+        self.pack_index = pack_index
+        self.local = LayoutIndex(token_bytes, min_support=1) if local else None
+        self.unconstrained = unconstrained
+        self._sid = None
+        self._scan = None
+        self._seen = 0
+        self._first = -1
+        self.hits = 0
+
+    def _sync(self, block: DraftBlock):
+        from .recipes.layout import LayoutScanner
+
+        ctx = block.context
+        start = block.prompt_len
+        n_out = len(ctx) - start
+        first = ctx[start] if n_out > 0 else -1
+        if self._scan is None or n_out < self._seen or (self._seen and first != self._first):
+            self._scan = LayoutScanner(self.token_bytes)
+            self._seen = 0
+            if self.local is not None:
+                self._sid = self.local.new()
+        if n_out > self._seen:
+            new = [int(t) for t in ctx[start + self._seen:]]
+            for t in new:
+                self._scan.feed(t)
+            self._scan.states.clear()
+            self._scan.ptrs.clear()
+            if self.local is not None:
+                self.local.grow(self._sid, new)
+            self._seen = n_out
+            self._first = first
+        sc = self._scan.copy()
+        for t in block.tokens:
+            sc.feed(t)
+        return sc
+
+    def extend(self, block: DraftBlock, budget: int) -> int:
+        if budget <= 0 or block.dead or (block.matcher is None and not self.unconstrained):
+            return 0
+        sc = self._sync(block)
+        for idx in (self.local, self.server, self.pack_index):
+            if idx is None:
+                continue
+            for run in idx.candidates(sc, budget):
+                if block.allows(run[0]):
+                    break
+            else:
+                continue
+            n = 0
+            for t in run:
+                if not block.push(t, None, self.name):
+                    break
+                n += 1
+            if n:
+                self.hits += 1
+                return n
+        return 0
+
+    def observe(self, tokens: Sequence[int], start: int = 0) -> None:
+        if self.server is not None:
+            self.server.observe(tokens[start:])
+
+
+class PromptLookupDrafter:
+    """Prompt lookup under the grammar: copies the prompt's continuation of the recent output.
+
+    First the token n-gram match ``LlamaPromptLookupDecoding`` makes (the last ``max_ngram`` .. 1 tokens of the
+    sequence against the prompt's tokens, latest occurrence first); then, where that finds nothing the grammar
+    takes, a text match (the longest suffix of the output's text, up to ``max_chars`` bytes, found in the prompt's
+    text; the text after it is tokenized), because a value copied into JSON is often tokenized differently from
+    the prompt (`` "Oscar`` is `` "``, ``O``, ``scar``).  Each candidate is tried against the block's mask
+    (``max_candidates`` per n-gram length / suffix length): a span whose first token the grammar forbids is never
+    proposed, and the span is cut at the first token it refuses.  The prompt is ``context[:prompt_len]`` (the whole
+    committed context when the host gives no prompt length)."""
+
+    name = "prompt"
+
+    def __init__(self, token_bytes, encode=None, *, max_ngram: int = 3, max_chars: int = 24, max_candidates: int = 4,
+                 max_copy: int = 16, unconstrained: bool = True):
+        self.token_bytes = token_bytes
+        self.encode = encode
+        self.max_ngram, self.max_chars, self.max_candidates, self.max_copy = max_ngram, max_chars, max_candidates, max_copy
+        self.unconstrained = unconstrained
+        self._key = None
+        self._prompt: tuple[int, ...] = ()
+        self._pos: dict[int, list[int]] = {}
+        self._text = b""
+        self._out_n = 0
+        self._out_text = b""
+
+    def _tb(self, t: int) -> bytes:
+        tb = self.token_bytes
+        return tb[t] if 0 <= t < len(tb) else b""
+
+    def _load(self, block: DraftBlock) -> None:
+        ctx = block.context
+        n = block.prompt_len or len(ctx)
+        key = (n, tuple(ctx[:2]), ctx[n - 1] if n else None)
+        if key == self._key:
+            return
+        self._key = key
+        self._prompt = tuple(int(t) for t in ctx[:n])
+        self._pos = {}
+        for j, t in enumerate(self._prompt):
+            self._pos.setdefault(t, []).append(j)
+        self._text = b"".join(self._tb(t) for t in self._prompt)
+        self._out_n, self._out_text = 0, b""
+
+    def _push(self, block: DraftBlock, run: Sequence[int]) -> int:
+        n = 0
+        for t in run:
+            if not block.push(t, None, self.name):
+                break
+            n += 1
+        return n
+
+    def extend(self, block: DraftBlock, budget: int) -> int:
+        if budget <= 0 or block.dead or (block.matcher is None and not self.unconstrained):
+            return 0
+        self._load(block)
+        prompt, pos = self._prompt, self._pos
+        np_ = len(prompt)
+        seq = block.sequence()
+        # token n-grams, longest first, latest occurrence first (LlamaPromptLookupDecoding's search); the longest
+        # n that matches decides (its candidates the grammar refuses are not retried with a shorter n-gram)
+        for n in range(min(self.max_ngram, len(seq)), 0, -1):
+            tail = seq[len(seq) - n:]
+            tried = 0
+            for p in reversed(pos.get(tail[-1], ())):
+                if p + 1 >= np_ or p - n + 1 < 0:
+                    continue
+                if n > 1 and list(prompt[p - n + 1:p + 1]) != tail:
+                    continue
+                tried += 1
+                if block.allows(prompt[p + 1]):
+                    return self._push(block, prompt[p + 1:p + 1 + min(budget, self.max_copy)])
+                if tried >= self.max_candidates:
+                    break
+            if tried:
+                return 0
+        if self.encode is None:
+            return 0
+        # the text match: the output's text (committed + this block's drafts) against the prompt's text
+        start = block.prompt_len if block.prompt_len else len(block.context)
+        ctx = block.context
+        if len(ctx) - start < self._out_n:
+            self._out_n, self._out_text = 0, b""
+        if len(ctx) - start > self._out_n:
+            self._out_text += b"".join(self._tb(t) for t in ctx[start + self._out_n:])
+            self._out_n = len(ctx) - start
+        out = self._out_text + b"".join(self._tb(t) for t in block.tokens)
+        text = self._text
+        for L in range(min(self.max_chars, len(out)), 0, -1):
+            suffix = out[len(out) - L:]
+            end = len(text)
+            tried = 0
+            while tried < self.max_candidates:
+                p = text.rfind(suffix, 0, end)
+                if p < 0:
+                    break
+                end = p + L - 1
+                after = whole_utf8(text[p + L:p + L + 8 * self.max_copy])
+                if not after:
+                    continue
+                tried += 1
+                run = self.encode(after)[:min(budget, self.max_copy)]
+                if run and block.allows(run[0]):
+                    return self._push(block, run)
+        return 0

@@ -144,6 +144,7 @@ class SpeculativeLoop:
                 f"the constraint was compiled for {constraint.tokenizer.vocab_size} tokens but the model outputs "
                 f"{self.width}: compile with TokenizerInfo.with_vocab_size({self.width})")
         self.emitted: list[int] = []
+        self.on_finish: Callable[["SpeculativeLoop"], None] | None = None  # e.g. recipes.served.ServedLog.record
         self.stats = Stats(prompt_tokens=len(self.prompt))
         self.finish_reason: str | None = None
 
@@ -252,10 +253,14 @@ class SpeculativeLoop:
                 if c.finish_reason is not None:
                     self.finish_reason = self.stats.finish_reason = c.finish_reason
                     self._report()  # before the last commit is yielded: a host reads the stats with it
+                    # learning drafters (the online suffix index, layout, recipe miss logs) see every finished
+                    # request, before its last commit is yielded: a host stops iterating once it has the end
+                    # (llama-cpp-python breaks on the end-of-generation token), so nothing after that yield runs
+                    observe(self.drafter, [*self.prompt, *self.emitted], len(self.prompt))
+                    if self.on_finish is not None:
+                        self.on_finish(self)
                 yield c
                 if c.finish_reason is not None:
-                    # learning drafters (the online suffix index, recipe miss logs) see every finished request
-                    observe(self.drafter, [*self.prompt, *self.emitted], len(self.prompt))
                     return
         finally:
             self.stats.wall_s = time.perf_counter() - t0

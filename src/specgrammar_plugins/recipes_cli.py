@@ -6,6 +6,20 @@
     specgrammar recipes merge recipes/a.json recipes/b.json -o recipes/ab.json
     specgrammar recipes stats recipes/json_extraction.json -w json_extraction     # coverage on the eval split
 
+Any model, any requests (a GGUF through llama-cpp-python, with the chat template it serves with; an HF folder
+through mlx-lm, with its tokenizer's chat template; ``smollm2-135m`` names the registry's SmolLM2 GGUF):
+
+    specgrammar recipes prompts -o train.jsonl                  # seeded training requests, never the eval prompts
+    specgrammar recipes build --requests train.jsonl --model smollm2-135m --name smollm2-135m --auto
+    specgrammar recipes build --served /var/specgrammar/served --model smollm2-135m -o served.json
+
+``--requests``: JSON Lines, each line ``messages`` (or ``prompt``) plus the constraint in the request-field
+spelling (``response_format``, ``regex``, ``grammar``, ``json_schema``, ``choice``, ``structured_outputs``); the
+model answers each under its constraint through the core loop (exact: drafting only saves passes) and the pack
+is learnt from those verified outputs (recipes, plus the model's layout table: ``recipes.layout``).
+``--served``: the folder a server appended its verified outputs to (``SPECGRAMMAR_SERVED_DIR``,
+``recipes.served``).
+
 ``build`` and ``stats`` run the target model through the mlx-lm adapter's runner (default: the bundled tiny
 target, ``specgrammar_plugins.models.tiny_path("target")``); ``build`` samples the workload's *train* split,
 ``stats`` measures on the *eval* split.
@@ -193,6 +207,8 @@ def benchmark_lookup(pack, contexts: Sequence[Sequence[int]], repeat: int = 5) -
 
 
 def cmd_build(a) -> int:
+    if a.requests or a.served:
+        return cmd_build_requests(a)
     from .workloads import examples
 
     runner, tok = load_target(a.model)
@@ -235,6 +251,189 @@ def cmd_build(a) -> int:
         out = Path(a.out) if a.out else Path(a.dir) / "structured.json"
         m.save(out)
         print(f"{out}: {json.dumps(m.stats())}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- any model, any requests
+def read_requests(path) -> list[dict]:
+    """A JSON Lines file of requests: each line an object with ``messages`` (a list of chat turns) or ``prompt``
+    (text), plus at most one constraint in the request-field spelling.  Raises ``SystemExit`` naming the line."""
+    from .requests import parse_request
+
+    out = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            body = json.loads(line)
+        except ValueError as e:
+            raise SystemExit(f"{path}:{n}: not JSON ({e})") from None
+        if not isinstance(body, dict) or not (isinstance(body.get("messages"), list) or isinstance(body.get("prompt"), str)):
+            raise SystemExit(f"{path}:{n}: a request needs 'messages' (a list) or 'prompt' (a string)")
+        fields = {k: v for k, v in body.items() if k not in ("messages", "prompt", "workload")}
+        try:
+            spec, _ = parse_request(fields)
+        except ValueError as e:
+            raise SystemExit(f"{path}:{n}: {e}") from None
+        out.append({"messages": body.get("messages"), "prompt": body.get("prompt"), "spec": spec,
+                    "workload": body.get("workload")})
+    return out
+
+
+def model_path(model: str) -> str:
+    """A model argument: ``smollm2-135m`` (the registry's GGUF), a GGUF file or an HF folder."""
+    from .models.real import SMOLLM2, smollm2_gguf
+
+    if model == SMOLLM2:
+        return str(smollm2_gguf())
+    if not Path(model).exists():
+        raise SystemExit(f"model {model} not found (a GGUF file, an HF folder, or {SMOLLM2})")
+    return model
+
+
+class GGUFSampler:
+    """A GGUF through ``SpecLlama``: each request answered as llama-cpp-python serves it (its chat template), the
+    prompt and output token ids recorded from the host's own ``generate`` call."""
+
+    def __init__(self, path: str, *, threads: int = 1, n_ctx: int = 2048, k: int = 4):
+        from specgrammar_llama_cpp import SpecLlama, tokenizer_info
+
+        self.llm = SpecLlama(path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, seed=0,
+                             k=k, drafters=("forced", "recipe", "layout", "prompt", "suffix"))
+        self.tokenizer = tokenizer_info(self.llm)
+        self.name = Path(path).name
+        self._rec: list = []
+        inner = self.llm.generate
+
+        def generate(tokens, *a, **kw):
+            self._rec = [list(tokens), []]
+            for t in inner(tokens, *a, **kw):
+                self._rec[1].append(int(t))
+                yield t
+
+        self.llm.generate = generate
+
+    def __call__(self, req: dict, *, temperature: float, max_tokens: int, seed: int, pack=None):
+        llm = self.llm
+        llm.recipe = pack
+        kw = dict(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        if req["spec"] is not None:
+            kw["constraint"] = req["spec"]
+        if req["messages"] is not None:
+            llm.create_chat_completion(req["messages"], **kw)
+        else:
+            llm.create_completion(req["prompt"], **kw)
+        st = llm.last_stats
+        prompt, out = self._rec
+        complete = st is not None and st.finish_reason == "stop"
+        return R.Sample(tuple(prompt), tuple(out), req.get("workload")), complete
+
+
+class FolderSampler:
+    """An HF folder through mlx-lm's runner and the core loop, the prompt made by its tokenizer's chat template."""
+
+    def __init__(self, path: str):
+        self.runner, self.tokenizer = load_target(path)
+        self.name = Path(path).name
+        try:
+            from transformers import AutoTokenizer
+
+            self.hf = AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - a folder without a usable tokenizer config
+            raise SystemExit(f"{path}: cannot load its tokenizer for the chat template ({e})") from None
+
+    def __call__(self, req: dict, *, temperature: float, max_tokens: int, seed: int, pack=None):
+        text = req["prompt"] if req["messages"] is None else self.hf.apply_chat_template(
+            req["messages"], tokenize=False, add_generation_prompt=True)
+        prompt = self.tokenizer.encode(text)
+        c = None if req["spec"] is None else compile_constraint(req["spec"], self.tokenizer)
+        options = SpecOptions(k=4, drafters=("forced", "recipe", "layout", "prompt", "suffix"), recipe=pack)
+        loop = make_loop(self.runner, prompt, options, constraint=c, tokenizer=self.tokenizer,
+                         params=SamplingParams(temperature=temperature), max_tokens=max_tokens,
+                         rng=np.random.default_rng(seed))
+        out = loop.generate()
+        return R.Sample(tuple(prompt), tuple(out), req.get("workload")), loop.finish_reason == "stop"
+
+
+def layout_table(samples, tokenizer, *, min_support: int = 3, agree: float = 0.8) -> dict:
+    """The model's layout, frozen from its verified outputs (``recipes.layout.LayoutIndex.table``)."""
+    from .recipes.layout import LayoutIndex
+
+    idx = LayoutIndex(tokenizer.token_bytes, per_key=64, max_tokens=1 << 30, max_keys=1 << 30)
+    for s in samples:
+        idx.observe(s.output)
+    return idx.table(min_support=min_support, agree=agree)
+
+
+def cmd_build_requests(a) -> int:
+    path = model_path(a.model)
+    sampler = GGUFSampler(path, threads=a.threads) if Path(path).is_file() else FolderSampler(path)
+    tok = sampler.tokenizer
+    samples: list[R.Sample] = []
+    reqs = read_requests(a.requests) if a.requests else []
+    temps = [float(t) for t in str(a.temperatures).split(",")]
+    pack = None
+    next_build = 25
+    done = 0
+    incomplete = 0
+    with tqdm(total=len(reqs) * len(temps), desc=f"building on {sampler.name}", unit="answer",
+              disable=a.quiet) as bar:
+        for i, req in enumerate(reqs):
+            if a.self_draft and done >= next_build:  # draft from what is learnt so far (lossless: saves passes)
+                pack = R.build(samples, tok, max_recipes=a.max_recipes)
+                next_build *= 2
+            for j, t in enumerate(temps):
+                s, complete = sampler(req, temperature=t, max_tokens=a.max_tokens, seed=a.seed + 1000 * i + j,
+                                      pack=pack)
+                done += 1
+                bar.update(1)
+                if complete and s.output:
+                    samples.append(s)
+                else:
+                    incomplete += 1
+    if a.served:
+        from .recipes.served import ServedLog
+
+        got = [R.Sample(p, o, "served") for p, o in ServedLog(a.served).samples(tok.vocab_fingerprint)]
+        print(f"{a.served}: {len(got)} served outputs for this tokenizer", file=sys.stderr)
+        samples += got
+    if not samples:
+        raise SystemExit("no verified outputs to learn from (no --requests answered completely, no --served lines)")
+    by: dict[str, list] = {}
+    for s in samples:
+        by.setdefault(s.workload or "requests", []).append(s)
+    meta = {"model": sampler.name, "requests": Path(a.requests).name if a.requests else None, "temperatures": temps,
+            "verified_outputs": len(samples), "incomplete": incomplete, "seed": a.seed,
+            "workloads": sorted(by), "auto": bool(a.auto)}
+    name = a.name or Path(path).stem
+    outs = []
+    pack = R.build(samples, tok, min_count=a.min_count, agree=a.agree, max_recipes=a.max_recipes, meta=meta)
+    pack.layout = layout_table(samples, tok)
+    out = Path(a.out) if a.out else Path(a.dir) / f"{name}.json"
+    pack.save(out)
+    outs.append((out, pack))
+    if a.per_workload:
+        for w, ss in sorted(by.items()):
+            m = {**meta, "workloads": [w], "verified_outputs": len(ss), "auto": False}
+            p = R.build(ss, tok, min_count=a.min_count, agree=a.agree, max_recipes=a.max_recipes, meta=m)
+            p.layout = layout_table(ss, tok)
+            o = Path(a.dir) / f"{name}.{w}.json"
+            p.save(o)
+            outs.append((o, p))
+    for o, p in outs:
+        print(f"{o}: {json.dumps({**p.stats(), 'layout': len(p.layout)})}")
+    return 0
+
+
+def cmd_prompts(a) -> int:
+    from .recipes.train import training_requests
+
+    n = 0
+    with open(a.output, "w", encoding="utf-8") as f:
+        for req in training_requests(a.n, a.schemas, a.seed):
+            f.write(json.dumps(req, sort_keys=True) + "\n")
+            n += 1
+    print(f"{a.output}: {n} requests", file=sys.stderr)
     return 0
 
 
@@ -330,7 +529,25 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--merged", action="store_true", help="also write the merged pack (structured.json)")
     b.add_argument("--merged-only", action="store_true", help="write only the merged pack")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--requests", help="JSON Lines of requests (messages or prompt + constraint): run --model on them "
+                   "(a GGUF, an HF folder or smollm2-135m) and learn from its verified outputs")
+    b.add_argument("--served", help="a folder of served verified outputs (SPECGRAMMAR_SERVED_DIR) to learn from")
+    b.add_argument("--name", help="pack name (with --requests: <dir>/<name>.json; default: the model's file stem)")
+    b.add_argument("--temperatures", default="0", help="with --requests: one answer per temperature (default 0)")
+    b.add_argument("--per-workload", action="store_true",
+                   help="with --requests: also one pack per request 'workload' field (<name>.<workload>.json)")
+    b.add_argument("--auto", action="store_true",
+                   help="mark the pack as the one chosen for this tokenizer when a request names none")
+    b.add_argument("--threads", type=int, default=1, help="with a GGUF: llama.cpp threads (default 1)")
+    b.add_argument("--self-draft", type=int, default=1, help="draft from the pack learnt so far (default 1; 0: off)")
     b.set_defaults(fn=cmd_build)
+
+    pr = sub.add_parser("prompts", help="write seeded training requests (JSON Lines), never the eval prompts")
+    pr.add_argument("-o", "--output", required=True)
+    pr.add_argument("-n", type=int, default=40, help="train-split prompts per structured workload (default 40)")
+    pr.add_argument("--schemas", type=int, default=60, help="generated-schema requests (default 60)")
+    pr.add_argument("--seed", type=int, default=20261126)
+    pr.set_defaults(fn=cmd_prompts)
 
     i = sub.add_parser("inspect", help="summary and top recipes of a pack")
     i.add_argument("pack")

@@ -24,6 +24,7 @@ from .cost import make_tilt
 from .distributions import SamplingParams
 from .drafters import DraftContext, build_chain
 from .loop import SpeculativeLoop
+from .recipes.served import served_log
 from .requests import DEFAULT_DRAFTERS, SpecOptions
 
 DEFAULT_K = 4
@@ -94,6 +95,10 @@ def make_loop(target: ModelRunner, prompt: Sequence[int], options: SpecOptions, 
                            target_vocab_size=target.vocab_size, blind=blind)
     tilt = make_tilt(constraint, lam=options.lam, adaptive=options.adaptive, budget=options.budget,
                      max_tokens=max_tokens)
-    return SpeculativeLoop(target, prompt, constraint=constraint, drafter=drafter, k=k if drafter is not None else 0,
+    loop = SpeculativeLoop(target, prompt, constraint=constraint, drafter=drafter, k=k if drafter is not None else 0,
                            params=params, max_tokens=max_tokens, rng=rng, stop_token_ids=stop_token_ids,
                            tilt_fn=tilt, law=law, fit=check_budget(constraint, options, max_tokens))
+    log = served_log(options.extra) if constraint is not None else None  # opt-in: the operator names a folder
+    if log is not None:
+        loop.on_finish = log.record
+    return loop

@@ -36,11 +36,12 @@ online index).  ``shipped`` holds the packs that ship with the project (package 
 """
 
 from .build import MissLog, Sample, build, merge
-from .pack import (ALPHA, COPY, FORMAT, NUM, PACK_NAME, VERSION, Recipe, RecipePack, RecipePackError, class_table,
+from .layout import LayoutIndex, LayoutScanner, server_layout_index
+from .pack import (ALPHA, COPY, FORMAT, NUM, PACK_NAME, VERSION, Recipe, RecipePack, RecipePackError, auto_pack, class_table,
                    copy_source, load_pack, prompt_positions, resolve, resolve_name, shape_of, shipped_pack,
                    shipped_packs, token_class)
 from .suffix import SuffixIndex, server_suffix_index
 
-__all__ = ["ALPHA", "COPY", "FORMAT", "NUM", "PACK_NAME", "VERSION", "MissLog", "Recipe", "RecipePack",
+__all__ = ["LayoutIndex", "LayoutScanner", "auto_pack", "server_layout_index", "ALPHA", "COPY", "FORMAT", "NUM", "PACK_NAME", "VERSION", "MissLog", "Recipe", "RecipePack",
            "RecipePackError", "Sample", "SuffixIndex", "build", "class_table", "copy_source", "load_pack", "merge", "prompt_positions",
            "resolve", "resolve_name", "server_suffix_index", "shape_of", "shipped_pack", "shipped_packs", "token_class"]

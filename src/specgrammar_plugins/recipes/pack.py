@@ -145,6 +145,8 @@ class RecipePack:
         self.meta = dict(meta or {})
         self.source = source  # the file it was loaded from, if any
         self.recipes: dict[tuple[str, tuple[int, ...]], Recipe] = {}
+        # the model's layout (``layout.LayoutIndex.table``): layout key -> run; saved only when non-empty
+        self.layout: dict[tuple[int, ...], tuple[int, ...]] = {}
         for r in recipes:
             self.recipes[(r.kind, r.key)] = r
         self._classes: list[int] | None = None
@@ -294,6 +296,10 @@ class RecipePack:
                 for r in sorted(self.recipes.values(), key=Recipe.sort_key)
             ],
         }
+        if self.layout:
+            from .layout import table_to_json
+
+            body["layout"] = table_to_json(self.layout)
         body["sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
         return body
 
@@ -301,9 +307,12 @@ class RecipePack:
         d = self.to_dict()
         recipes = d.pop("recipes")
         sha = d.pop("sha256")
+        layout = d.pop("layout", None)
         head = json.dumps(d, sort_keys=True, ensure_ascii=False, indent=1)[:-2]  # drop the closing "\n}"
         lines = [json.dumps(r, sort_keys=True, ensure_ascii=False) for r in recipes]
         text = head + ',\n "recipes": [\n  ' + ",\n  ".join(lines) + ("\n ],\n" if lines else "],\n")
+        if layout is not None:
+            text += ' "layout": [\n  ' + ",\n  ".join(json.dumps(r) for r in layout) + "\n ],\n"
         text += f' "sha256": "{sha}"\n}}\n'
         return text.encode("utf-8")
 
@@ -346,6 +355,10 @@ class RecipePack:
                                       int(r.get("seen", 0))))
             pack = cls(recipes, fingerprint=str(tok["fingerprint"]), tokenizer_name=str(tok.get("name", "?")),
                        meta=d.get("meta") or {}, source=source)
+            if d.get("layout"):
+                from .layout import table_from_json
+
+                pack.layout = table_from_json(d["layout"], f"{where}: layout")
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, RecipePackError):
                 raise
@@ -430,6 +443,34 @@ def resolve_name(name: str, pack_dir: str | os.PathLike | None = None) -> Path:
         names = sorted({*available, *shipped})
         raise RecipePackError(f"recipe pack {name!r} not found (available: {', '.join(names) or 'none'})")
     return found
+
+
+_FINGERPRINTS: dict = {}
+
+
+def auto_pack(tokenizer) -> Path | None:
+    """The shipped pack chosen for a tokenizer when a request names none: the one whose ``meta.auto`` is true and
+    whose fingerprint is the tokenizer's (e.g. ``recipes/smollm2-135m.json`` for SmolLM2's vocabulary); None when
+    no shipped pack is marked for it."""
+    fp = getattr(tokenizer, "vocab_fingerprint", None)
+    if fp is None:
+        return None
+    for name, p in sorted(shipped_packs().items()):
+        try:
+            key = (str(p), p.stat().st_mtime_ns)
+        except OSError:
+            continue
+        got = _FINGERPRINTS.get(key)
+        if got is None:
+            try:
+                head = p.read_bytes()[:4096].decode("utf-8", "replace")
+            except OSError:
+                continue
+            m = re.search(r'"fingerprint": "([0-9a-f]+)"', head)
+            got = _FINGERPRINTS[key] = ((m.group(1) if m else ""), '"auto": true' in head)
+        if got[0] == fp and got[1]:
+            return p
+    return None
 
 
 def load_pack(name_or_path, tokenizer=None) -> RecipePack:

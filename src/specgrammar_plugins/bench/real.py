@@ -1,0 +1,326 @@
+"""``specgrammar bench real``: the real model (SmolLM2-135M-Instruct, the registry's GGUF) through llama-cpp-python.
+
+Every configuration answers the same chat requests (the model's own chat template) under the same constraint:
+the six structured workloads' *eval* prompts (``--n`` each) and ``--schemas`` dev-split JSON Schemas
+(``../shared/data/jsonschemabench/dev``, a seeded family-stratified choice; skipped cleanly when absent) with a
+generated prompt each ("Give a JSON object for this schema: ...", as ``bench schemas`` asks), at each
+``--temperatures`` (default 0 and 0.7), ``k`` = 4:
+
+    plain        SpecLlama, no drafting: plain constrained decoding, one target pass per token (the baseline)
+    forced       SpecLlama, the grammar's forced tokens only
+    model-free   SpecLlama, forced -> recipe (the pack shipped for this tokenizer) -> layout -> prompt copy -> suffix
+    no-pack      the same without a recipe pack (what the online learners and prompt copy do on their own)
+    host-pld     llama-cpp-python's own best speculation: Llama + its grammar (LlamaGrammar: GBNF from the
+                 workloads, json_schema_to_gbnf for schemas) + LlamaPromptLookupDecoding(num_pred_tokens=4);
+                 target passes are its llama_decode calls
+
+Reported per configuration, temperature and group (each workload, "schemas", and "workloads" = the six together):
+tokens, target passes, tokens per target pass, acceptance by draft position and by source (forced, recipe,
+layout, prompt, suffix, model), valid (jsonschema / the workload's checker), complete (finish "stop") vs cut off
+at ``--max-tokens``, refused up front (a schema the engine cannot compile), and wall-clock ms per token with its
+ratio to ``plain`` on the same host in the same run.  Online learners (suffix, layout) start empty for every
+configuration and temperature and learn from the requests as a server would, in order.  The first request of
+each configuration is answered once untimed (grammar compile, caches).
+
+This CPU is compute-bound at this model size (a pass over 5 rows costs ~3x one row), so tokens per target pass is
+the figure that carries over to a memory-bound device; wall-clock is reported beside it, not claimed.
+
+    specgrammar bench real [--n 3] [--schemas 10] [--max-tokens 128] [--temperatures 0 0.7] [--configs ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+CONFIGS = ("plain", "forced", "model-free", "no-pack", "host-pld")
+MODEL_FREE = ("forced", "recipe", "layout", "prompt", "suffix")
+SOURCES = ("forced", "recipe", "layout", "prompt", "suffix", "model")
+
+
+def _reset_online() -> None:
+    """Empty the process-wide online learners (suffix and layout indexes): each configuration starts cold."""
+    from ..recipes import layout, suffix
+
+    suffix._SERVER_INDEXES.clear()
+    layout._SERVER.clear()
+
+
+def requests(n: int, n_schemas: int, seed: int) -> tuple[list[dict], str | None]:
+    """(requests, why the schemas are missing or None): the workloads' eval prompts, then dev-split schemas."""
+    from ..recipes.train import constraint_fields, schema_prompt
+    from ..workloads import STRUCTURED, examples, is_valid
+
+    out = []
+    for w in STRUCTURED:
+        for ex in examples(w, "eval", n):
+            out.append({"group": w, "messages": [{"role": "user", "content": ex.prompt}],
+                        "fields": constraint_fields(ex.constraint), "spec": ex.constraint,
+                        "valid": (lambda text, w=w: is_valid(w, text))})
+    why = None
+    if n_schemas > 0:
+        from .schemas import data_dir, stratified, validator
+
+        d = data_dir()
+        if not d.is_dir():
+            why = f"{d} is absent: no schemas"
+        else:
+            from ..constraint import ConstraintSpec
+
+            for f in stratified(sorted(d.glob("*.json")), seed):
+                if sum(r["group"] == "schemas" for r in out) >= n_schemas:
+                    break
+                try:
+                    schema = json.loads(f.read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    continue
+                if not isinstance(schema, dict):
+                    continue
+                out.append({"group": "schemas", "name": f.name,
+                            "messages": [{"role": "user", "content": schema_prompt(schema)}],
+                            "fields": {"response_format": {"type": "json_schema",
+                                                           "json_schema": {"name": "answer", "schema": schema}}},
+                            "spec": ConstraintSpec.json_schema(schema), "schema": schema,
+                            "valid": validator(schema)})
+    return out, why
+
+
+def _host_grammar(req: dict):
+    """llama-cpp-python's own grammar for a request (None when its converter refuses the schema)."""
+    from llama_cpp import LlamaGrammar, llama_grammar
+
+    from .llama_cpp_host import gbnf_for
+
+    try:
+        if req["group"] == "schemas":
+            text = llama_grammar.json_schema_to_gbnf(json.dumps(req["schema"]))
+        else:
+            text = gbnf_for(req["group"])
+        return LlamaGrammar.from_string(text, verbose=False)
+    except Exception:  # noqa: BLE001 - the host's converter and parser raise many kinds
+        return None
+
+
+class _Tally:
+    def __init__(self):
+        self.tokens = self.passes = self.requests = self.valid = self.complete = self.cut = self.refused = 0
+        self.checked = 0
+        self.seconds = 0.0
+        self.by_pos_d: list[int] = []
+        self.by_pos_a: list[int] = []
+        self.src_d: dict[str, int] = defaultdict(int)
+        self.src_a: dict[str, int] = defaultdict(int)
+
+    def add_stats(self, st) -> None:
+        for i, (d, a) in enumerate(zip(st.drafted_by_pos, st.accepted_by_pos)):
+            while len(self.by_pos_d) <= i:
+                self.by_pos_d.append(0)
+                self.by_pos_a.append(0)
+            self.by_pos_d[i] += d
+            self.by_pos_a[i] += a
+        for s, v in st.drafted_by_source.items():
+            self.src_d[s] += v
+        for s, v in st.accepted_by_source.items():
+            self.src_a[s] += v
+
+    def merge(self, o: "_Tally") -> None:
+        for f in ("tokens", "passes", "requests", "valid", "complete", "cut", "refused", "checked", "seconds"):
+            setattr(self, f, getattr(self, f) + getattr(o, f))
+        for i, (d, a) in enumerate(zip(o.by_pos_d, o.by_pos_a)):
+            while len(self.by_pos_d) <= i:
+                self.by_pos_d.append(0)
+                self.by_pos_a.append(0)
+            self.by_pos_d[i] += d
+            self.by_pos_a[i] += a
+        for s, v in o.src_d.items():
+            self.src_d[s] += v
+        for s, v in o.src_a.items():
+            self.src_a[s] += v
+
+    def row(self) -> dict:
+        return {"requests": self.requests, "refused": self.refused, "tokens": self.tokens, "target_passes": self.passes,
+                "tokens_per_pass": self.tokens / self.passes if self.passes else None,
+                "valid": self.valid, "checked": self.checked, "complete": self.complete, "cut_off": self.cut,
+                "seconds": self.seconds, "ms_per_token": 1e3 * self.seconds / self.tokens if self.tokens else None,
+                "acceptance_by_pos": [a / d if d else None for a, d in zip(self.by_pos_a, self.by_pos_d)],
+                "drafted_by_source": dict(self.src_d), "accepted_by_source": dict(self.src_a)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specgrammar bench real", description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=None, help="eval prompts per workload (default 3; quick 1)")
+    ap.add_argument("--schemas", type=int, default=None, help="dev-split schemas (default 10; quick 2)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0, help="schema choice and sampling seed")
+    ap.add_argument("--model", default=None, help="a GGUF (default: the registry's SmolLM2-135M-Instruct)")
+    from . import _report as R
+
+    R.add_common_args(ap, "real")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = ap.parse_args(argv)
+    a.n = a.n if a.n is not None else (1 if a.quick else 3)
+    a.schemas = a.schemas if a.schemas is not None else (2 if a.quick else 10)
+    rep = R.Report("real", a, argv)
+
+    from ..models.real import ModelNotInstalled, smollm2_gguf
+
+    try:
+        path = a.model or str(smollm2_gguf())
+    except ModelNotInstalled as e:
+        print(e, file=sys.stderr)
+        return 2
+    import llama_cpp
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from specgrammar_llama_cpp import SpecLlama
+
+    from ..errors import ConstraintError
+    from .llama_cpp_host import DecodeCounter
+
+    reqs, why = requests(a.n, a.schemas, a.seed)
+    if why:
+        print(f"bench real: {why}", file=sys.stderr)
+    kw = dict(n_ctx=4096, n_threads=a.threads, n_threads_batch=a.threads, verbose=False, seed=a.seed)
+    groups = sorted({r["group"] for r in reqs}, key=lambda g: (g == "schemas", g))
+    results: dict = {}
+    outputs: dict = {}
+    bar = R.progress(range(len(a.configs) * len(a.temperatures) * (len(reqs) + 1)), "bench real",
+                     total=len(a.configs) * len(a.temperatures) * (len(reqs) + 1))
+    it = iter(bar)
+    for name in a.configs:
+        if name == "host-pld":
+            llm = Llama(path, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=a.k), logits_all=True, **kw)
+            counter = DecodeCounter(llm)
+        else:
+            drafters = {"plain": (), "forced": ("forced",), "model-free": MODEL_FREE,
+                        "no-pack": tuple(d for d in MODEL_FREE if d != "recipe")}[name]
+            llm = SpecLlama(path, k=a.k if drafters else 0, drafters=drafters or ("forced",), **kw)
+            counter = None
+        for temp in a.temperatures:
+            _reset_online()
+            tallies = {g: _Tally() for g in groups}
+            texts = []
+
+            def answer(i, req, timed):
+                t = tallies[req["group"]]
+                if counter is not None:
+                    g = _host_grammar(req)
+                    if g is None:
+                        t.refused += timed
+                        return None
+                    before = counter.calls
+                    t0 = time.perf_counter()
+                    out = llm.create_chat_completion(req["messages"], grammar=g, max_tokens=a.max_tokens,
+                                                     temperature=temp, seed=a.seed + i)
+                    dt = time.perf_counter() - t0
+                    fin = out["choices"][0]["finish_reason"]
+                    toks = out["usage"]["completion_tokens"] + (1 if fin == "stop" else 0)  # + the EOS
+                    passes = counter.calls - before
+                    st = None
+                else:
+                    extra = {} if name != "plain" else {"specgrammar": {"k": 0}}
+                    t0 = time.perf_counter()
+                    try:
+                        out = llm.create_chat_completion(req["messages"], max_tokens=a.max_tokens, temperature=temp,
+                                                         seed=a.seed + i, **req["fields"], **extra)
+                    except ConstraintError:
+                        t.refused += timed
+                        return None
+                    dt = time.perf_counter() - t0
+                    st = llm.last_stats
+                    fin = st.finish_reason
+                    toks, passes = st.emitted, st.target_passes
+                if not timed:
+                    return None
+                text = out["choices"][0]["message"]["content"] or ""
+                t.requests += 1
+                t.tokens += toks
+                t.passes += passes
+                t.seconds += dt
+                t.complete += fin == "stop"
+                t.cut += fin == "length"
+                v = req["valid"](text) if fin == "stop" else False
+                t.checked += v is not None
+                t.valid += bool(v)
+                if st is not None:
+                    t.add_stats(st)
+                return text
+
+            answer(0, reqs[0], False)  # warm-up (untimed): compile, caches
+            _reset_online()
+            next(it, None)
+            for i, req in enumerate(reqs):
+                texts.append(answer(i, req, True))
+                next(it, None)
+            rows = {g: t.row() for g, t in tallies.items()}
+            wl = _Tally()
+            for g, t in tallies.items():
+                if g != "schemas":
+                    wl.merge(t)
+            rows["workloads"] = wl.row()
+            allt = _Tally()
+            for t in tallies.values():
+                allt.merge(t)
+            rows["all"] = allt.row()
+            results.setdefault(name, {})[str(temp)] = rows
+            outputs.setdefault(name, {})[str(temp)] = texts
+        del llm
+    for x in it:
+        pass
+    _print(results, a, groups, llama_cpp.__version__)
+    rep.write({"args": vars(a), "results": results, "outputs": outputs, "requests": len(reqs),
+               "schemas_note": why, "versions": R.versions("llama-cpp-python")})
+    return 0
+
+
+def _print(results: dict, a, groups, version: str) -> None:
+    from . import _report as R
+
+    print(f"\nSmolLM2-135M-Instruct (Q4_1 GGUF), llama-cpp-python {version}, k = {a.k}, max_tokens {a.max_tokens}, "
+          f"{a.n} eval prompts per workload, {a.schemas} dev-split schemas, threads {a.threads}\n")
+    for temp in a.temperatures:
+        base = results.get("plain", {}).get(str(temp), {})
+        cols = [*groups, "workloads", "all"]
+        rows = []
+        for name, by_t in results.items():
+            r = by_t[str(temp)]
+            cells = [name]
+            for g in cols:
+                tpp = r[g]["tokens_per_pass"]
+                cells.append(R.fmt(tpp))
+            w = r["all"]
+            b = base.get("all", {}).get("ms_per_token")
+            cells += [f"{w['valid']}/{w['requests']}", f"{w['complete']}/{w['requests']}", str(w["refused"]),
+                      R.fmt(w["ms_per_token"], ".1f"),
+                      (R.fmt(w["ms_per_token"] / b) + "x") if b and w["ms_per_token"] else "-"]
+            rows.append(cells)
+        print(f"T = {temp}: tokens per target pass")
+        print(R.md_table(["config", *cols, "valid", "complete", "refused", "ms/token", "vs plain"], rows))
+        print()
+        src_rows = []
+        for name, by_t in results.items():
+            r = by_t[str(temp)]["all"]
+            if not r["drafted_by_source"]:
+                continue
+            src = ", ".join(f"{s} {r['accepted_by_source'].get(s, 0)}/{r['drafted_by_source'][s]}"
+                            for s in SOURCES if s in r["drafted_by_source"])
+            pos = " ".join(R.fmt(x) for x in r["acceptance_by_pos"][:a.k + 4])
+            src_rows.append([name, src, pos])
+        if src_rows:
+            print(f"T = {temp}: accepted/drafted by source, acceptance by draft position (all requests)")
+            print(R.md_table(["config", "by source", "by position"], src_rows))
+            print()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
