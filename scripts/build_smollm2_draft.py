@@ -6,6 +6,15 @@
     .venv/bin/python scripts/build_smollm2_draft.py --eval-only   # re-measure the committed weights
     .venv/bin/python scripts/build_smollm2_draft.py --measure 10  # SpecLlama with / without it, forward times
 
+    # training on an accelerator machine that has torch + transformers but not the target's package:
+    .venv/bin/python scripts/build_smollm2_draft.py --start-gguf start.gguf   # here: the starting tensors, ~39 MB
+    python3 scripts/build_smollm2_draft.py --device cuda --target-gguf start.gguf --data data.jsonl   # there
+
+The committed weights were trained that second way (an H100, 5 s for the 300 steps; metrics.json's "device"),
+because this 2-core machine was shared by a dozen processes at the time (load average 10-33): the data was made
+here (llama-cpp-python, one thread, 33 min under that load).  The same script and seed train on the CPU; the
+float results differ in the last bits between devices.
+
 The draft is the target cut down to a few of its own decoder layers (``LAYERS``, default the first four of 30),
 with the target's token embeddings (tied: they are the output layer too) and final norm, distilled on the
 target's own outputs.  Only the kept layers and the final norm are trained (the embeddings stay frozen), and only
@@ -70,7 +79,7 @@ N_RECORDS = 160  # generated-schema prompts
 N_SUITE = 80  # JSON-Schema-Test-Suite prompts at most
 SAMPLED = 0.2  # share of prompts answered a second time at T = 0.7
 HELD_OUT = 0.10
-HP = dict(steps=90, batch=8, lr=1e-3, warmup=10, weight_decay=0.0, max_len=384)
+HP = dict(steps=300, batch=8, lr=1e-3, warmup=10, weight_decay=0.0, max_len=384)
 
 
 def build_dir() -> Path:
@@ -616,6 +625,14 @@ def main(argv=None) -> int:
     if args.measure:
         res = measure(args.measure, args.threads)
         print(json.dumps(res, indent=2))
+        mpath = args.out / "metrics.json"
+        if mpath.is_file():  # beside what the build measured (the outputs themselves are printed only)
+            metrics = json.loads(mpath.read_text())
+            metrics["spec_llama"] = {
+                "command": f"scripts/build_smollm2_draft.py --measure {args.measure} --threads {args.threads}",
+                **{k: ({kk: vv for kk, vv in v.items() if kk != "outputs"} if isinstance(v, dict) else v)
+                   for k, v in res.items()}}
+            mpath.write_text(json.dumps(metrics, indent=2) + "\n")
         return 0
     random.seed(SEED)
     np.random.seed(SEED)
