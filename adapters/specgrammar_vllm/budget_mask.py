@@ -69,8 +69,15 @@ def budget_of(req_id: str):
 
 
 def _count(name: str, n: int = 1) -> None:
+    COUNTERS[name] += n  # (the engine's thread; the compile threads count under _LOCK with _count_locked)
+
+
+def _count_locked(name: str, n: int = 1) -> None:
     with _LOCK:
         COUNTERS[name] += n
+
+
+_VIEWS: dict = {}  # id of vLLM's bitmask tensor -> (the tensor, its numpy view): one conversion per tensor
 
 
 class BudgetedGrammar:
@@ -138,7 +145,11 @@ class BudgetedGrammar:
         self.inner.fill_bitmask(bitmask, idx)
         t0 = time.thread_time_ns()  # (CPU time of the engine's thread, as the benchmark's phases)
         try:
-            row = bitmask[idx].numpy()  # a view of vLLM's CPU bitmask: cut in place
+            view = _VIEWS.get(id(bitmask))
+            if view is None or view[0] is not bitmask:
+                _VIEWS.clear()
+                view = _VIEWS[id(bitmask)] = (bitmask, bitmask.numpy())
+            row = view[1][idx]  # a view of vLLM's CPU bitmask: cut in place
             cut = self.budget.mask_row(row, self.tokens, self.margin)
             if not self.lost and getattr(self.budget, "lost", False):
                 self.lost = True
@@ -225,7 +236,7 @@ def build(manager, request):
     if spec is None or getattr(sp, "max_tokens", None) is None:
         return None
     if _request_options(sp).get("budget_mask") is False:
-        _count("budget_skipped")
+        _count_locked("budget_skipped")
         return None
     engine, options = engine_options(manager.vllm_config)
     engine = ENGINES.get(getattr(so, "_backend", None) or "", engine)
@@ -255,21 +266,21 @@ def wrap_create_grammar(cls) -> None:
             if e.shortest is None:  # nothing certified for vLLM's form of the grammar (its EBNF: no GBNF
                 # shortest-string certificate, and the greedy walk found no end): served as before, without the
                 # mask, and counted (the proposer's budget_cut_off counts it too when it cannot end)
-                _count("budget_uncertified")
+                _count_locked("budget_uncertified")
                 log.warning("specgrammar: request %s runs without the budget mask: %s", request.request_id, e)
                 return grammar
-            _count("budget_refused")
+            _count_locked("budget_refused")
             log.warning("specgrammar: request %s refused: %s", request.request_id, e)
             raise
         except Exception as e:  # our side failed: vLLM's grammar alone (counted, logged)
-            _count("budget_errors")
+            _count_locked("budget_errors")
             log.warning("specgrammar: no budget mask for request %s (%s: %s)", request.request_id,
                         type(e).__name__, e)
             return grammar
         if budget is None:
             return grammar
-        _count("budget_requests")
-        _count("budget_exact" if budget.mode == "exact" else "budget_certified")
+        _count_locked("budget_requests")
+        _count_locked("budget_exact" if budget.mode == "exact" else "budget_certified")
         spec_cfg = getattr(self.vllm_config, "speculative_config", None)
         sp = request.sampling_params
         greedy = (getattr(sp, "temperature", 1.0) or 0.0) < 1e-5

@@ -578,6 +578,8 @@ class CertifiedBudget(Budget):
         path = self._path
         n = 0
         lim = min(len(path), len(generated))
+        if path[:lim] == list(generated[:lim]):  # (the usual case, one comparison in C: a row per position)
+            n = lim
         while n < lim and path[n] == generated[n]:
             n += 1
         del path[n:]
