@@ -621,15 +621,24 @@ class CertifiedBudget(Budget):
         set of candidates: the certificate's next token (always fits), the tokens spelling a prefix of its text,
         and the stop tokens.  Sound within the tight zone, cheap (at most ``max_bytes`` + a few certificates per
         position); a token outside it that raises the certificate by ``margin`` or more in one step is not
-        prevented (``lost`` then, and counted by the host)."""
+        prevented (``lost`` then, and counted by the host).  Far from the budget (the slack of the last
+        certified prefix, less ``margin - 1`` per token since, still at least ``margin``) nothing is certified."""
         if self.lost:
             return False
         t0 = time.perf_counter_ns()
         try:
+            r = self.budget - len(generated)
+            path = self._path
+            lim = min(len(path), len(generated))
+            known = self._certs[lim] if path[:lim] == list(generated[:lim]) else None
+            if known is not None and r - (len(known) + (len(generated) - lim) * max(margin - 1, 0)) >= margin:
+                # far from the budget: with no token raising the certificate by ``margin`` or more (the tight
+                # zone's premise) the slack is still at least ``margin`` here, so the row is not cut; the
+                # certificates of the tokens since (a step's drafts, mostly) are not worked out
+                return False
             parent = self._sync(generated)
             if parent is None:
                 return False
-            r = self.budget - len(generated)
             if r - len(parent) >= margin or not parent:
                 return False
             text = self._text(parent)
