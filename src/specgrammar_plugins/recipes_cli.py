@@ -372,25 +372,51 @@ def cmd_build_requests(a) -> int:
     samples: list[R.Sample] = []
     reqs = read_requests(a.requests) if a.requests else []
     temps = [float(t) for t in str(a.temperatures).split(",")]
+    shard, shards = (int(x) for x in a.shard.split("/")) if a.shard else (0, 1)
+    # answers already made (--samples caches: one JSON line per answer, the first file is appended to)
+    cached: dict = {}
+    for f in a.samples_cache or ():
+        if Path(f).exists():
+            for line in Path(f).read_text(encoding="utf-8").splitlines():
+                try:
+                    d = json.loads(line)
+                    cached[(d["i"], d["t"])] = d
+                except (ValueError, KeyError):
+                    continue
+    cache = open(a.samples_cache[0], "a", encoding="utf-8") if a.samples_cache else None
+    todo = [(i, req) for i, req in enumerate(reqs) if i % shards == shard]
     pack = None
     next_build = 25
     done = 0
     incomplete = 0
-    with tqdm(total=len(reqs) * len(temps), desc=f"building on {sampler.name}", unit="answer",
+    with tqdm(total=len(todo) * len(temps), desc=f"building on {sampler.name}", unit="answer",
               disable=a.quiet) as bar:
-        for i, req in enumerate(reqs):
+        for i, req in todo:
             if a.self_draft and done >= next_build:  # draft from what is learnt so far (lossless: saves passes)
                 pack = R.build(samples, tok, max_recipes=a.max_recipes)
                 next_build *= 2
             for j, t in enumerate(temps):
-                s, complete = sampler(req, temperature=t, max_tokens=a.max_tokens, seed=a.seed + 1000 * i + j,
-                                      pack=pack)
+                d = cached.get((i, t))
+                if d is not None:
+                    s, complete = R.Sample(tuple(d["prompt"]), tuple(d["output"]), d.get("workload")), d["complete"]
+                else:
+                    s, complete = sampler(req, temperature=t, max_tokens=a.max_tokens,
+                                          seed=a.seed + 1000 * i + j, pack=pack)
+                    if cache is not None:
+                        cache.write(json.dumps({"i": i, "t": t, "prompt": list(s.prompt), "output": list(s.output),
+                                                "workload": s.workload, "complete": complete}) + "\n")
+                        cache.flush()
                 done += 1
                 bar.update(1)
                 if complete and s.output:
                     samples.append(s)
                 else:
                     incomplete += 1
+    if cache is not None:
+        cache.close()
+    if shards > 1 and a.shard_only:
+        print(f"shard {shard}/{shards}: {len(samples)} verified outputs in {a.samples_cache[0]}", file=sys.stderr)
+        return 0
     if a.served:
         from .recipes.served import ServedLog
 
@@ -540,6 +566,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="mark the pack as the one chosen for this tokenizer when a request names none")
     b.add_argument("--threads", type=int, default=1, help="with a GGUF: llama.cpp threads (default 1)")
     b.add_argument("--self-draft", type=int, default=1, help="draft from the pack learnt so far (default 1; 0: off)")
+    b.add_argument("--samples-cache", action="append",
+                   help="with --requests: JSON Lines of answers made so far (reused; new ones are appended to the "
+                        "first); repeatable, so shards' caches can be built together")
+    b.add_argument("--shard", help="with --requests: K/N answers only requests with index %% N == K")
+    b.add_argument("--shard-only", action="store_true", help="with --shard: answer and cache, build no pack")
     b.set_defaults(fn=cmd_build)
 
     pr = sub.add_parser("prompts", help="write seeded training requests (JSON Lines), never the eval prompts")

@@ -26,7 +26,9 @@ from .constraint import GRAMMAR_SYNTAXES, ConstraintSpec
 from .errors import ConstraintError, RequestError
 from .recipes.pack import PACK_NAME  # a request names a pack, never a path (``recipes.pack.resolve_name``)
 
-DEFAULT_DRAFTERS = ("forced", "recipe", "model")
+# forced tokens -> a recipe pack -> the model's layout -> prompt copy -> the online suffix index -> a draft model
+# (factories with nothing to work with drop out: no pack, no draft model)
+DEFAULT_DRAFTERS = ("forced", "recipe", "layout", "prompt", "suffix", "model")
 MAX_K = 32
 
 
