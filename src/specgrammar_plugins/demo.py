@@ -174,9 +174,10 @@ def run_real(host: str, n: int, k: int, temperature: float, max_tokens: int, wor
     if host == "llama_cpp":
         from specgrammar_llama_cpp import SpecLlama, tokenizer_info
 
-        kw = dict(n_ctx=2048, n_batch=512, verbose=False, seed=seed)
-        if threads:
-            kw.update(n_threads=threads, n_threads_batch=threads)
+        # llama-cpp-python's default puts every core on batch passes (prompts, verification); on this 2-core
+        # machine that made the demo 7x slower in wall-clock (181 s vs 25 s) whenever the other core was busy
+        threads = threads or max(1, (os.cpu_count() or 2) // 2)
+        kw = dict(n_ctx=2048, n_batch=512, verbose=False, seed=seed, n_threads=threads, n_threads_batch=threads)
         llm = SpecLlama(SMOLLM2, draft=None if draft_path is None else str(draft_path), k=k, drafters=chain,
                         engine=engine, **kw)
         tokinfo = tokenizer_info(llm)
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", nargs="+", default=list(STRUCTURED), choices=list(WORKLOADS))
     ap.add_argument("--no-recipes", action="store_true", help="draft without recipe packs")
     ap.add_argument("--no-draft", action="store_true", help="real model: leave its draft model out (model-free chain)")
-    ap.add_argument("--threads", type=int, default=None, help="llama_cpp host: threads (default: llama.cpp's)")
+    ap.add_argument("--threads", type=int, default=None, help="llama_cpp host: threads for decoding and batches (default: half the cores)")
     ap.add_argument("--serve", action="store_true", help="start mlx_lm.server --plugin specgrammar instead")
     ap.add_argument("--listen", "--bind", dest="bind", default="127.0.0.1", help="--serve: address (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8080)
