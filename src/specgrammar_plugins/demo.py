@@ -212,9 +212,13 @@ def run_real(host: str, n: int, k: int, temperature: float, max_tokens: int, wor
     load_s = time.perf_counter() - t_load
     out(f"{SMOLLM2} loaded on {host} in {load_s:.1f}s; k={k}, temperature={temperature}, "
         f"engine={engine or 'default'}, max_tokens={max_tokens}")
-    out(f"drafters: {', '.join(chain)}" + (f" (draft model {SMOLLM2_DRAFT}: {draft_path})" if draft_path else
-        f" -- model-free chain: no draft model for {SMOLLM2} in this build"
-        + ("" if draft else " (--no-draft)")) + "\n")
+    if draft_path is not None:
+        why = f" (draft model {SMOLLM2_DRAFT}: {draft_path})"
+    elif draft:
+        why = f" -- model-free chain: no draft model for {SMOLLM2} in this build"
+    else:
+        why = " -- model-free chain (--no-draft)"
+    out(f"drafters: {', '.join(chain) if k else 'none (k = 0: plain constrained decoding)'}{why if k else ''}\n")
     tally = Tally(out)
     for w in workloads:
         spec = W.constraint(w)
