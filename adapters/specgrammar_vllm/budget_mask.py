@@ -68,6 +68,13 @@ def budget_of(req_id: str):
     return None if g is None else g.budget
 
 
+def fitting_drafts(req_id: str, generated, drafts) -> int:
+    """How many of a request's ``drafts`` (after its output ``generated``) its budget's rows allow: the draft
+    proposers end their drafts there, so that vLLM's ``validate_tokens`` never has to (``BudgetedGrammar``)."""
+    g = _LIVE.get(req_id)
+    return len(drafts) if g is None else g.fitting(generated, drafts)
+
+
 def _count(name: str, n: int = 1) -> None:
     COUNTERS[name] += n  # (the engine's thread; the compile threads count under _LOCK with _count_locked)
 
@@ -109,23 +116,30 @@ class BudgetedGrammar:
         drafts are left whole (cutting a sampled draft by its value would bias vLLM's rejection sampler); the
         row gives a forbidden one target probability 0 and it is rejected, exactly."""
         ok = self.inner.validate_tokens(tokens)
-        if not self.deterministic_drafts or not ok or not self.words:
-            return ok
+        n = self.fitting(self.tokens, ok)
+        if n < len(ok):
+            _count("budget_drafts_cut", len(ok) - n)
+        return ok[:n]
+
+    def fitting(self, generated, drafts) -> int:
+        """How many of ``drafts`` (after the output ``generated``) the budget's rows allow, in order (all of them
+        where drafts are sampled: see ``validate_tokens``)."""
+        if not self.deterministic_drafts or not len(drafts) or not self.words:
+            return len(drafts)
         from specgrammar_plugins.api import mask_allows
 
         t0 = time.thread_time_ns()
         try:
-            prefix = list(self.tokens)
-            for i, t in enumerate(ok):
+            prefix = [int(t) for t in generated]
+            for i, t in enumerate(drafts):
                 row = np.full(self.words, -1, dtype=np.int32)
                 self.budget.mask_row(row, prefix, self.margin)
                 if not mask_allows(row, int(t)):
-                    _count("budget_drafts_cut", len(ok) - i)
-                    return ok[:i]
+                    return i
                 prefix.append(int(t))
-            return ok
+            return len(drafts)
         except Exception:  # (fill_bitmask says so and turns the cut off for this request)
-            return ok
+            return len(drafts)
         finally:
             _count("budget_ns", time.thread_time_ns() - t0)
 

@@ -60,6 +60,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from specgrammar_plugins.api import allowed_ids, fill, mask_allows, mask_words, set_bit
 
+from .budget_mask import fitting_drafts
 from .proposer import GrammarStates
 
 log = logging.getLogger("vllm.specgrammar")
@@ -624,6 +625,8 @@ class GrammarDraftProposer(DraftModelProposer):
                 continue
             real = r.real if r.block is not None else 0
             b = r.block
+            if real and r.st.grammar and r.st.history is not None:  # the budget's rows: drafts end where they forbid
+                real = fitting_drafts(r.req_id, b.context[r.st.prompt_len:], b.tokens[:real])
             if b is None:
                 g.record(r.st, r.req_id, [], [])
             else:

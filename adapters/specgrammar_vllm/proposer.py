@@ -476,5 +476,8 @@ class GrammarProposer(GrammarStates):
         if block is None:
             self.record(st, req_id, [], [])
             return []
-        self.record(st, req_id, block.tokens, block.sources)
-        return list(block.tokens)
+        from .budget_mask import fitting_drafts
+
+        keep = fitting_drafts(req_id, row[st.prompt_len:n], block.tokens)  # the budget's rows: drafts end there
+        self.record(st, req_id, block.tokens[:keep], block.sources[:keep])
+        return list(block.tokens[:keep])
