@@ -4,7 +4,7 @@ shipped recipe packs and the mlx-lm patch (package data, found with ``importlib.
 The wheel is built (``pip wheel . --no-deps``) and installed into a fresh venv whose only other packages are the
 already installed dependencies (the project venv's site-packages, added as a plain path: no editable install comes
 with it), and there, from a folder outside the checkout, ``specgrammar demo --n 1`` (which drafts from a shipped
-pack) and ``specgrammar patch mlx-lm --check`` must run.
+pack) and ``specgrammar patch mlx-lm --check`` must run (``--tiny``: the bundled pair, which the wheel carries).
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ def test_the_wheel_holds_the_data(wheel):
                  "specgrammar_plugins/patches/vllm-custom-proposer-runner.diff",
                  "specgrammar_plugins/recipes/shipped/json_extraction.json",
                  "specgrammar_plugins/models/tiny/target/model.safetensors",
-                 "specgrammar_plugins/models/tiny/target.gguf"):
+                 "specgrammar_plugins/models/tiny/target.gguf",
+                 "specgrammar_plugins/models/smollm2_draft/layers.safetensors",
+                 "specgrammar_plugins/recipes/shipped/smollm2-135m.json"):
         assert must in names, must
     assert not any(n.startswith(("tests/", "adapters/", "src/")) for n in names)
 
@@ -97,7 +99,7 @@ def test_the_installed_wheel_runs_the_demo_and_finds_its_patch(wheel, tmp_path):
                            timeout=300)
     assert check.returncode == 0, check.stdout + check.stderr[-3000:]
     assert "mlx-lm 0.32.2 at" in check.stdout, check.stdout
-    demo = subprocess.run([*cli, "demo", "--n", "1"], cwd=work, env=env, capture_output=True, text=True,
+    demo = subprocess.run([*cli, "demo", "--tiny", "--n", "1"], cwd=work, env=env, capture_output=True, text=True,
                           timeout=900)
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     assert "recipe pack json_extraction" in demo.stdout, demo.stdout[-3000:]
