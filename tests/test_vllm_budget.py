@@ -82,6 +82,7 @@ def greedy(engines):
         blind = _generate(engines.plain, spec, mt, mask=False, temperature=0.0)
         out.append(SimpleNamespace(spec=spec, max_tokens=mt, plain=plain, sped=sped, blind=blind,
                                    cut=after["budget_cut_rows"] - before["budget_cut_rows"],
+                                   drafts_cut=after["budget_drafts_cut"] - before["budget_drafts_cut"],
                                    requests=after["budget_requests"] - before["budget_requests"]))
     return out
 
@@ -91,6 +92,7 @@ def test_greedy_speculative_equals_plain_under_the_budget(greedy, engines):
         assert [list(o.token_ids) for o in r.sped] == [list(o.token_ids) for o in r.plain], r.spec.kind
         assert r.requests == 2 * len(PROMPTS)  # every request of both engines carried its budget
         assert r.cut > 0  # and the budget bound: rows were cut
+        assert r.drafts_cut == 0  # our proposer's drafts already end where the budget's rows forbid them
     counters = proposer_of(engines.spec).counters
     assert counters["accepted_tokens"] > 0  # drafts were verified under the combined rows
     assert counters["budget_cut_off"] == 0  # (counted only for requests without the mask)

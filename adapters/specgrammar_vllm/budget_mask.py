@@ -52,7 +52,8 @@ MODULE = "vllm.v1.structured_output"
 MARGIN = int(os.environ.get("SPECGRAMMAR_VLLM_BUDGET_MARGIN", 16))
 COUNTERS: dict = {"budget_requests": 0, "budget_exact": 0, "budget_certified": 0, "budget_refused": 0,
                   "budget_skipped": 0, "budget_errors": 0, "budget_rows": 0, "budget_cut_rows": 0,
-                  "budget_lost": 0, "budget_drafts_cut": 0, "budget_uncertified": 0, "budget_ns": 0}
+                  "budget_lost": 0, "budget_drafts_cut": 0, "budget_uncertified": 0, "budget_ns": 0,
+            "budget_draft_ns": 0}  # budget_ns: the scheduler's rows and draft checks; budget_draft_ns: the proposers'
 _LOCK = threading.Lock()
 # request id -> its BudgetedGrammar (the proposers in the same EngineCore process read it)
 _LIVE: "weakref.WeakValueDictionary[str, BudgetedGrammar]" = weakref.WeakValueDictionary()
@@ -72,7 +73,7 @@ def fitting_drafts(req_id: str, generated, drafts) -> int:
     """How many of a request's ``drafts`` (after its output ``generated``) its budget's rows allow: the draft
     proposers end their drafts there, so that vLLM's ``validate_tokens`` never has to (``BudgetedGrammar``)."""
     g = _LIVE.get(req_id)
-    return len(drafts) if g is None else g.fitting(generated, drafts)
+    return len(drafts) if g is None else g.fitting(generated, drafts, "budget_draft_ns")
 
 
 def _count(name: str, n: int = 1) -> None:
@@ -121,7 +122,7 @@ class BudgetedGrammar:
             _count("budget_drafts_cut", len(ok) - n)
         return ok[:n]
 
-    def fitting(self, generated, drafts) -> int:
+    def fitting(self, generated, drafts, counter: str = "budget_ns") -> int:
         """How many of ``drafts`` (after the output ``generated``) the budget's rows allow, in order (all of them
         where drafts are sampled: see ``validate_tokens``)."""
         if not self.deterministic_drafts or not len(drafts) or not self.words:
@@ -141,7 +142,7 @@ class BudgetedGrammar:
         except Exception:  # (fill_bitmask says so and turns the cut off for this request)
             return len(drafts)
         finally:
-            _count("budget_ns", time.thread_time_ns() - t0)
+            _count(counter, time.thread_time_ns() - t0)
 
     def rollback(self, num_tokens: int) -> None:
         self.inner.rollback(num_tokens)

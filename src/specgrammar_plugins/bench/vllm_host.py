@@ -220,6 +220,7 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     ours = (prop.timing_ns["grammar"] - grammar0) if prop is not None else 0
     budget1 = BM.stats()
     budget_ns = budget1["budget_ns"] - budget0["budget_ns"]
+    budget_draft_ns = budget1["budget_draft_ns"] - budget0["budget_draft_ns"]  # (inside the draft phase)
     target_ns = ns["forward"] + ns["sample"] - ns["draft"] + ns["vllm_grammar"]  # (the bitmask is the target's)
     timing = {
         "steps": timers.calls["forward"], "draft_steps": drafts,
@@ -235,11 +236,14 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
         "our_grammar_ms_per_draft_step": ours / drafts / 1e6 if drafts else 0.0,
         "our_grammar_us_per_request_step": ours / timers.rows["draft"] / 1e3 if timers.rows["draft"] else 0.0,
         "vllm_grammar_ms": ns["vllm_grammar"] / steps / 1e6,
-        # the budget mask (budget_mask.BudgetedGrammar: inside vLLM's grammar bitmask, the target's rows and the
-        # verification rows); the draft step does no budget work (0)
+        # the budget mask: in the scheduler (budget_mask.BudgetedGrammar: vLLM's grammar bitmask, the target's rows
+        # and the verification rows, and validate_tokens), against the target's phases; in the draft step (the
+        # proposers ending their drafts where the rows forbid them), against the draft phase
         "budget_ms": budget_ns / steps / 1e6,
         "budget_share_of_target": budget_ns / target_ns if target_ns else 0.0,
-        "budget_share_of_step": budget_ns / ns["step"] if ns["step"] else 0.0,
+        "budget_draft_ms_per_draft_step": budget_draft_ns / drafts / 1e6 if drafts else 0.0,
+        "budget_share_of_draft": budget_draft_ns / ns["draft"] if ns["draft"] else 0.0,
+        "budget_share_of_step": (budget_ns + budget_draft_ns) / ns["step"] if ns["step"] else 0.0,
         "budget_rows": budget1["budget_rows"] - budget0["budget_rows"],
         "budget_cut_rows": budget1["budget_cut_rows"] - budget0["budget_cut_rows"],
         "budget_lost": budget1["budget_lost"] - budget0["budget_lost"],
@@ -373,7 +377,7 @@ def timing_table(rows: list[dict]) -> str:
     out = ["CPU ms of the engine thread (in-process engine); wall ms in the JSON.", "",
            "| method | steps | ms/step | target ms/step | draft ms/step | draft ms per draft step (mean batch) | draft "
            "us per request per draft step | of which ours (grammar) | draft model passes ms per draft step (passes, "
-           "tokens) | vLLM grammar ms/step | budget mask ms/step (share of target step, of step) "
+           "tokens) | vLLM grammar ms/step | budget mask ms/step (share of target step, of draft step, of step) "
            "| draft us per token | step us per token | draft model |", "|" + "---|" * 14]
     for r in rows:
         t = r.get("timing")
@@ -385,6 +389,7 @@ def timing_table(rows: list[dict]) -> str:
                    f"{t.get('draft_forward_ms_per_draft_step', 0.0):.2f} ({t.get('draft_passes_per_draft_step', 0.0):.2f}, "
                    f"{t.get('draft_pass_tokens_per_draft_step', 0.0):.0f}) | {t['vllm_grammar_ms']:.2f} | "
                    f"{t.get('budget_ms', 0.0):.3f} ({t.get('budget_share_of_target', 0.0):.1%}, "
+                   f"{t.get('budget_share_of_draft', 0.0):.1%}, "
                    f"{t.get('budget_share_of_step', 0.0):.1%}) | {t['draft_us_per_token']:.0f} | {t['step_us_per_token']:.0f} | "
                    f"{t['draft_model_class'] or '-'} |")
     profiles = [(r["method"], r["timing"]["profile"]) for r in rows if r.get("timing", {}).get("profile")]
