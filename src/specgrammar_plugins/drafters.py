@@ -42,6 +42,16 @@ def whole_utf8(data: bytes) -> str:
         return data[: e.start].decode("utf-8")
 
 
+def push_run(block: DraftBlock, run: Sequence[int], source: str) -> int:
+    """Push the one-hot drafts ``run`` onto ``block`` (its mask checks each) until one is refused; how many went on."""
+    n = 0
+    for t in run:
+        if not block.push(t, None, source):
+            break
+        n += 1
+    return n
+
+
 class ForcedDrafter:
     """Tokens the grammar forces next, read off the block's own masks (a position whose mask allows one token, never
     a stop token), then, where that walk ends, the tokenized jump-forward string (one-hot drafts).  Fills no mask
@@ -78,11 +88,7 @@ class ForcedDrafter:
         # inside a UTF-8 sequence (the branch point of "👍"/"👎"): only whole characters are tokenized, never a
         # partial sequence decoded
         text = whole_utf8(hint if hint is not None else block.matcher.jump_forward())
-        for t in (self.encode(text)[:-1] if text else [])[:budget]:
-            if not block.push(t, None, "forced"):
-                break
-            n += 1
-        return n
+        return n + push_run(block, (self.encode(text)[:-1] if text else [])[:budget], "forced")
 
 
 class ModelDrafter:
@@ -224,11 +230,7 @@ class RecipeDrafter:
             return 0
         if run[0] < 0:  # (COPY, n)
             run = self._copy(block, run[1])
-        n = 0
-        for t in run[:budget]:
-            if not block.push(t, None, self.name):
-                break
-            n += 1
+        n = push_run(block, run[:budget], self.name)
         if n:
             self.hits += 1
         return n
@@ -255,12 +257,7 @@ class SuffixDrafter:
         run = self.index.lookup([*ctx[len(ctx) - 64:], *block.tokens] if len(ctx) > 64 else block.sequence(), budget)
         if not run:
             return 0
-        n = 0
-        for t in run:
-            if not block.push(t, None, self.name):
-                break
-            n += 1
-        return n
+        return push_run(block, run, self.name)
 
     def observe(self, tokens: Sequence[int], start: int = 0) -> None:
         self.index.observe(tokens, start)
@@ -340,11 +337,7 @@ class LayoutDrafter:
                     break
             else:
                 continue
-            n = 0
-            for t in run:
-                if not block.push(t, None, self.name):
-                    break
-                n += 1
+            n = push_run(block, run, self.name)
             if n:
                 self.hits += 1
                 return n
@@ -401,12 +394,7 @@ class PromptLookupDrafter:
         self._out_n, self._out_text = 0, b""
 
     def _push(self, block: DraftBlock, run: Sequence[int]) -> int:
-        n = 0
-        for t in run:
-            if not block.push(t, None, self.name):
-                break
-            n += 1
-        return n
+        return push_run(block, run, self.name)
 
     def extend(self, block: DraftBlock, budget: int) -> int:
         if budget <= 0 or block.dead or (block.matcher is None and not self.unconstrained):
