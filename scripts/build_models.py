@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import numpy as np  # noqa: E402
 
 from specgrammar_plugins import workloads as W  # noqa: E402
-from specgrammar_plugins.models import TINY_DIR  # noqa: E402
+from specgrammar_plugins.models import GGUF_LAYER, TINY_DIR  # noqa: E402
 
 SEED = 1234
 THREADS = 1  # one thread: deterministic, and on a shared 2-core machine 2 threads spin (2-3x slower)
@@ -298,13 +298,6 @@ GGUF_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
-}
-GGUF_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
 }
 
 

@@ -14,6 +14,15 @@ from __future__ import annotations
 from pathlib import Path
 
 TINY_DIR = Path(__file__).resolve().parent / "tiny"
+# a Llama decoder layer's tensors: transformers' name (after ``model.layers.{i}.``) -> llama.cpp's (after
+# ``blk.{i}.``); scripts/build_models.py and models.real_draft write GGUFs with it
+GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
 WHICH = ("target", "draft")
 
 
@@ -47,4 +56,4 @@ def tiny_metrics() -> dict:
     return json.loads((TINY_DIR / "metrics.json").read_text())
 
 
-__all__ = ["TINY_DIR", "tiny_gguf", "tiny_metrics", "tiny_path", "tiny_tokenizer_info"]
+__all__ = ["GGUF_LAYER", "TINY_DIR", "tiny_gguf", "tiny_metrics", "tiny_path", "tiny_tokenizer_info"]

@@ -25,20 +25,13 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from . import GGUF_LAYER
 from .real import SMOLLM2, ModelNotInstalled, cache_dir, smollm2_gguf
 
 DRAFT = "smollm2-135m-draft"
 DRAFT_DIR = Path(__file__).resolve().parent / "smollm2_draft"
 WEIGHTS = DRAFT_DIR / "layers.safetensors"
 
-# HF name (after ``model.layers.{i}.``) -> llama.cpp name (after ``blk.{i}.``)
-GGUF_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
 HF_LAYER = {v: k for k, v in GGUF_LAYER.items()}
 
 
