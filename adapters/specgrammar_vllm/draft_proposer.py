@@ -1,4 +1,9 @@
-"""``GrammarDraftProposer``: vLLM's own draft-model proposer, grammar-aware (``method="draft_model"``).
+"""``GrammarDrafting``: grammar-aware drafting as one mixin over vLLM's ``SpecDecodeBaseProposer`` (the draft-model,
+EAGLE/EAGLE-3 and MTP proposers); ``GrammarDraftProposer``: vLLM's own draft-model proposer with it
+(``method="draft_model"``), ``GrammarEagleProposer``: vLLM's EAGLE proposer with it (EAGLE, EAGLE-3, MTP; not wired
+into the runner yet).  The host-neutral logic (per-request state, the per-position plan, lazy masks, per-row
+bookkeeping, fault isolation) is the core's batch layer (``specgrammar_plugins.batch``: ``RequestTable``,
+``BatchDrafter``); this module keeps what touches vLLM's classes and tensors.
 
     vllm serve MODEL --speculative-config '{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}'
 
@@ -57,8 +62,13 @@ import time
 import numpy as np
 import torch
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.v1.spec_decode.eagle import EagleProposer
 
-from specgrammar_plugins.api import allowed_ids, fill, mask_allows, mask_words, set_bit
+from specgrammar_plugins.api import (DRAFT_CONFIDENCE, REFUSED_DRAFTS, BatchDrafter, EnoughDrafts,
+                                     allowed_ids, draft_confidence_option, mask_words, refused_drafts_option)
+from specgrammar_plugins.api import Plan as _Plan  # noqa: F401  (the batch layer's, by their former names here)
+from specgrammar_plugins.api import Row as _Row
+from specgrammar_plugins.api import Step as _Step
 
 from .budget_mask import fitting_drafts
 from .proposer import GrammarStates
@@ -68,15 +78,8 @@ log = logging.getLogger("vllm.specgrammar")
 # measured per rejected row, the kernel 21 us at 1,024 tokens and 1.4 ms at 151,936, the allowed-ids argmax
 # 68 us and 0.2 ms (2-core AMD EPYC, torch 2.13 CPU, xgrammar 0.2.8); they cross near 8,192
 CPU_KERNEL_MAX_VOCAB = 8192
-# An argmax draft the grammar refuses means the draft model's law is mostly outside the grammar there: the masked
-# argmax drafted in its place was accepted 21% of the times it was reached (389 of 1,822, the tiny pair on unseen
-# schemas), so the positions after it are rarely reached, yet each costs a draft pass and a verification slot.  A
-# request's drafts end after this many refused positions per step (option "refused_drafts"; None: up to k)
-REFUSED_DRAFTS = 1
-_GREEDY_T = 1e-5  # vLLM's _SAMPLING_EPS: a row with a temperature below it is greedy (gpu_input_batch.py stores 0)
-# A request's drafts also end after a model draft when the chance the next position is reached falls below this:
-# the product of the draft model's probabilities of its drafts at this step (option "draft_confidence"; None: off)
-DRAFT_CONFIDENCE = 0.2
+__all__ = ["DRAFT_CONFIDENCE", "REFUSED_DRAFTS", "GrammarDraftProposer", "GrammarDrafting", "GrammarEagleProposer",
+           "draft_confidence_option", "refused_drafts_option", "why_not_grammar"]
 
 
 def why_not_grammar(vllm_config, runner) -> str | None:
@@ -97,98 +100,26 @@ def why_not_grammar(vllm_config, runner) -> str | None:
     return None
 
 
-class _Row:
-    """One batch row's drafting at this step: its request state and draft block (None: no grammar drafts)."""
+class GrammarDrafting:
+    """Grammar-aware drafting over any of vLLM's ``SpecDecodeBaseProposer`` subclasses (put it first in the bases).
+    It overrides the three hooks vLLM's runner and drafting loop call: ``prepare_next_token_ids_padded`` (the step's
+    batch, in row order), ``propose`` (one draft step) and ``_sample_draft_tokens`` (each draft position).  Our
+    state: ``grammar`` (``GrammarStates``, the core's ``RequestTable``), ``batch`` (the core's ``BatchDrafter``)."""
 
-    __slots__ = ("req_id", "st", "block", "real", "tried", "refused", "reach", "temperature")
-
-    def __init__(self, req_id, st, block, temperature: float = 0.0):
-        self.req_id = req_id
-        self.temperature = temperature  # the request's sampling temperature (below _GREEDY_T: greedy)
-        self.st = st
-        self.block = block
-        self.real = 0  # leading positions whose drafted token is the block's (the request's real drafts)
-        self.tried = -1  # the block length at which the host chain last ran and stopped (it would stop there again)
-        self.refused = 0  # positions at this step where the grammar refused the draft model's argmax
-        self.reach = 1.0  # the product of the draft model's probabilities of its drafts at this step
-
-    def chain(self, j: int) -> None:
-        """Run the request's host chain (forced tokens, jump-forward strings, recipes) until the block has a token
-        at position ``j``, is done, or the chain has nothing more: once per block length, since the chain is a
-        function of the block's sequence (``_plan`` and ``_needs_model`` both ask at the same length)."""
-        b = self.block
-        n = len(b.tokens)
-        if n <= j and n != self.tried and not b.done:
-            fill(b, self.st.drafter)
-            self.tried = len(b.tokens)
-
-
-class _Step:
-    __slots__ = ("rows", "k", "pos", "tokens", "probs")
-
-    def __init__(self, rows: list[_Row | None], k: int):
-        self.rows = rows
-        self.k = k
-        self.pos = 0
-        self.tokens: list = []  # per drafted position: the [B] draft tokens (device tensor)
-        self.probs: list = []  # per drafted position: their [B, V] probabilities, or None (argmax drafts)
-
-
-class _Plan:
-    """One draft position's rows (``GrammarDraftProposer._plan``): ``host`` (row, host draft), ``model`` (the rows
-    whose draft the model makes under their grammar), ``masked`` (row, its filled packed mask: sampled drafts only,
-    which need every such row masked), ``known``: every row's token when no row needs the model there."""
-
-    __slots__ = ("host", "model", "masked", "known")
-
-    def __init__(self):
-        self.host: list[tuple[int, int]] = []
-        self.model: list[int] = []
-        self.masked: list[tuple[int, np.ndarray]] = []
-        self.known: list[int] | None = None
-
-
-class _EnoughDrafts(Exception):
-    """Raised from the drafting loop when no request needs the draft model at a later position: every draft
-    left is a host draft or nothing, so the remaining draft-model passes are skipped."""
-
-
-def refused_drafts_option(opts: dict) -> int | None:
-    """The option ``"refused_drafts"``: after how many refused positions a request's drafts end at a step (0: at the
-    first, with nothing drafted there, as vLLM's ``validate_tokens`` cuts a blind draft; None: never, up to k)."""
-    n = opts.get("refused_drafts", REFUSED_DRAFTS)
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-        raise ValueError(f'the specgrammar option "refused_drafts" must be a non-negative integer or null, got {n!r}')
-    return n
-
-
-def draft_confidence_option(opts: dict) -> float | None:
-    """The option ``"draft_confidence"``: a request's drafts end at a step after the model draft where the product of
-    the draft model's probabilities of its drafts falls below this (0 or None: never)."""
-    x = opts.get("draft_confidence", DRAFT_CONFIDENCE)
-    if x is None:
-        return None
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < 1:
-        raise ValueError(f'the specgrammar option "draft_confidence" must be a number in [0, 1) or null, got {x!r}')
-    return float(x) or None
-
-
-class GrammarDraftProposer(DraftModelProposer):
-    _refused_drafts: int | None = REFUSED_DRAFTS
-    _confidence: float | None = DRAFT_CONFIDENCE
+    grammar: GrammarStates | None = None
+    batch: BatchDrafter | None = None
 
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         self.runner = runner
-        self.grammar: GrammarStates | None = None
         self._batch = None
         self._step: _Step | None = None
         reason = why_not_grammar(vllm_config, runner)
         if reason is None:
             try:
                 grammar = GrammarStates(vllm_config)
-                self._refused_drafts = refused_drafts_option(grammar.options)
-                self._confidence = draft_confidence_option(grammar.options)
+                self.batch = BatchDrafter(grammar, grammar.vocab_size, refused_drafts_option(grammar.options),
+                                          draft_confidence_option(grammar.options))
                 self.grammar = grammar
             except Exception as e:  # an unsupported version or a bad option: vLLM's own proposer, said loudly
                 reason = f"{type(e).__name__}: {e}"
@@ -208,6 +139,11 @@ class GrammarDraftProposer(DraftModelProposer):
         log.info("specgrammar: grammar-aware draft model (host drafters %s first, then the draft model masked by "
                  "each request's grammar)", list(self.grammar.drafter_names))
 
+    # the options, read and set on the batch layer (tests set them on a bare proposer)
+    _refused_drafts = property(lambda self: self.batch.refused_drafts,
+                               lambda self, n: setattr(self.batch, "refused_drafts", n))
+    _confidence = property(lambda self: self.batch.confidence, lambda self, x: setattr(self.batch, "confidence", x))
+
     # ------------------------------------------------------------------ vLLM's draft-proposer interface
     def prepare_next_token_ids_padded(self, sampled_token_ids, requests, gpu_input_batch, discard_request_mask):
         if self.grammar is not None:  # the step's batch, in row order: what propose() drafts for
@@ -222,6 +158,9 @@ class GrammarDraftProposer(DraftModelProposer):
         t0 = time.perf_counter_ns()
         try:
             self._step = self._begin(batch, int(num_speculative_tokens))
+            # the target's hidden states (vLLM passes them to every SpecDecodeBaseProposer): for drafters that read
+            # them (batch.Step.hidden); vLLM's own EAGLE/MTP pass reads them itself
+            self._step.hidden = kwargs.get("target_hidden_states", args[2] if len(args) > 2 else None)
         except Exception as e:  # a fault in our part: this step drafts as vLLM's own
             self.grammar.fault("starting a draft step", e)
             self._step = None
@@ -229,7 +168,7 @@ class GrammarDraftProposer(DraftModelProposer):
         step = self._step
         try:
             drafts = super().propose(num_speculative_tokens, *args, **kwargs)
-        except _EnoughDrafts:
+        except EnoughDrafts:
             drafts = self._assemble(step)
         finally:
             self._step = None
@@ -252,10 +191,10 @@ class GrammarDraftProposer(DraftModelProposer):
         t0 = time.perf_counter_ns()
         probabilistic = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
         try:
-            plan = self._plan(step, num_rows, fill=probabilistic)
+            plan = self.batch.plan(step, num_rows, fill=probabilistic)
         except Exception as e:  # the rest of this step drafts as vLLM's own (still verified: exact)
             g.fault("masking a draft position", e)
-            self._end_grammar(step)
+            self.batch.end(step)
             plan = None
         t1 = time.perf_counter_ns()
         apply_ns = 0
@@ -276,18 +215,18 @@ class GrammarDraftProposer(DraftModelProposer):
                 if plan is None or not (plan.host or plan.model):
                     pass  # no grammar row here: vLLM's own draws
                 elif probabilistic:  # the masked law's probabilities are verified with: every row masked
-                    self._apply(logits, self._eager_rows(plan, num_rows))
+                    self._apply(logits, self.batch.eager_rows(plan, self._bitmask_np, num_rows))
                 else:  # argmax drafts: masks only where the grammar rejects the unmasked argmax (_lazy)
                     am = logits.argmax(dim=-1)  # vLLM's own draft (not counted as ours)
                     a0 = time.perf_counter_ns()
                     tokens, toks = self._lazy(logits, plan, step.rows, am)
-                    unsure = self._unsure(step, plan)
+                    unsure = self.batch.unsure(step, plan)
                     if unsure:
                         conf = _probability_of(logits, unsure, [toks[i] for i in unsure],
                                                [step.rows[i].temperature for i in unsure])
             except Exception as e:  # the rest of this step drafts as vLLM's own from these logits (verified: exact;
                 g.fault("drawing a draft position", e)  # _finish cuts each request's drafts where its block ends)
-                self._end_grammar(step)
+                self.batch.end(step)
                 toks = None
             apply_ns = time.perf_counter_ns() - a0
             # vLLM's own draft sampling (llm_base_proposer.py:478-509), on the masked logits
@@ -295,7 +234,7 @@ class GrammarDraftProposer(DraftModelProposer):
                 probs = None
             elif probabilistic:
                 tokens, probs = self._sample_from_logits(logits, sampling_metadata)
-                unsure = self._unsure(step, plan) if plan is not None else None
+                unsure = self.batch.unsure(step, plan) if plan is not None else None
                 if unsure:  # the masked law's own probabilities
                     idx = torch.tensor(unsure, dtype=torch.int64).to(probs.device, non_blocking=True)
                     got = probs.index_select(0, idx).gather(1, tokens.index_select(0, idx).view(-1, 1).to(torch.int64))
@@ -305,87 +244,32 @@ class GrammarDraftProposer(DraftModelProposer):
         t2 = time.perf_counter_ns()
         enough = False
         try:
-            self._advance(step, toks if toks is not None else tokens.tolist(), conf)
+            self.batch.advance(step, toks if toks is not None else tokens.tolist(), conf)
             step.tokens.append(tokens)
             step.probs.append(probs)
             step.pos += 1
-            enough = self._may_skip and step.pos < step.k and not self._needs_model(step)
+            enough = self._may_skip and step.pos < step.k and not self.batch.needs_model(step)
         except Exception as e:
             g.fault("reading a draft position", e)
-            self._end_grammar(step)
+            self.batch.end(step)
             step.pos = len(step.tokens)
         g.timing_ns["grammar"] += (t1 - t0) + apply_ns + (time.perf_counter_ns() - t2)
         g.counters["draft_passes"] += 1
         if enough:  # skip the draft-model passes nobody needs: propose() assembles the drafts
             g.counters["draft_passes_skipped"] += step.k - step.pos
-            raise _EnoughDrafts
+            raise EnoughDrafts
         return tokens, probs
 
-    def _lazy(self, logits, plan: "_Plan", rows, am=None):
-        """Argmax drafts under the grammar without masking every row.  The unmasked argmax of a row whose grammar
-        allows it is the masked argmax too (masking only lowers other entries to -inf, and ``argmax`` takes the
-        first maximum, which is then the first allowed one), so each model row's argmax is offered to its block
-        first: on a lazy block (``DraftBlock.lazy``) the matcher's own ``accept`` checks and takes it, with no
-        [V]-wide mask filled at all.  Only a row whose argmax the grammar rejects has its mask filled and its
-        masked argmax found (``_masked_argmax``); a row with a host draft takes that token (the argmax of its
-        one-hot mask).  Exact, token for token, against masking every row.  The model's tokens are pushed onto
-        their blocks here (``_advance`` then only counts).  A row refused at its ``_refused_drafts``-th position of
-        the step drafts the masked argmax there and its block closes; past that (limit 0) it closes before, with no
-        mask filled and vLLM's own token left in the row (``_finish`` cuts it).  ``am``: the unmasked argmax when
-        the caller has it.
-        Returns (tokens [B] on the logits' device, the same as a list)."""
+    def _lazy(self, logits, plan: _Plan, rows, am=None):
+        """Argmax drafts under the grammar without masking every row (``BatchDrafter.lazy``: each model row's
+        unmasked argmax offered to its block; only refused rows masked, by ``_masked_argmax``), from the unmasked
+        argmax ``am`` (taken here when None).  Returns (tokens [B] on the logits' device, the same as a list)."""
         if am is None:
             am = logits.argmax(dim=-1)
         toks = am.tolist()
-        vocab = self._vocab
-        changed = False
-        for i, t in plan.host:
-            if toks[i] != t:
-                toks[i] = t
-                changed = True
-        limit = self._refused_drafts
-        items = []  # the refused rows: (i, its mask)
-        ended = 0  # rows whose drafts end here (``refused_drafts``)
-        for i in plan.model:
-            t = toks[i]
-            r = rows[i]
-            try:  # the matcher's accept, and for a refused row its mask: a fault there is this request's alone
-                if t < vocab and r.block.push(t, None, "model"):
-                    continue
-                r.refused += 1
-                if limit is not None and r.refused > limit:  # (limit 0) its drafts end before this position: no
-                    r.block.closed = True  # mask; the row keeps vLLM's draft, cut by _finish
-                    ended += 1
-                    continue
-                items.append((i, r.block.mask()))
-            except Exception as e:  # no grammar drafts for it (its row keeps vLLM's draft, cut by _finish)
-                self._row_fault(r, e)
-        c = self.grammar.counters
-        c["draft_rows_unmasked"] += len(plan.model) - len(items) - ended
-        c["draft_rows_masked"] += len(items)
-        if items:
-            for (i, _), t in zip(items, self._masked_argmax(logits, items)):
-                toks[i] = t
-                r = rows[i]
-                try:
-                    if not r.block.push(t, None, "model"):  # (nothing allowed there: cannot happen for a live
-                        r.block.closed = True  # grammar) no more drafts for it
-                    elif limit is not None and r.refused >= limit:  # the masked argmax is its last draft here
-                        r.block.closed = True
-                        ended += 1
-                except Exception as e:
-                    self._row_fault(r, e)
-            changed = True
-        c["draft_rows_ended"] += ended
-        if not changed:
+        if not self.batch.lazy(plan, rows, toks, lambda items: self._masked_argmax(logits, items)):
             return am, toks
         return torch.tensor(toks, dtype=am.dtype).to(logits.device, non_blocking=True), toks
-
-    def _row_fault(self, r: "_Row", e: BaseException) -> None:
-        """A fault in one request's drafting at this position: that request gets no grammar drafts from here on
-        (``GrammarStates.fault``); this step's drafts for it are cut by ``_finish``."""
-        self.grammar.fault("a draft position", e, r.req_id)
-        r.block = None
 
     def _masked_argmax(self, logits, items: list) -> list[int]:
         """The argmax of each row ``i`` of ``logits`` masked by its packed ``row`` (``items``: (i, row)), as the
@@ -435,22 +319,10 @@ class GrammarDraftProposer(DraftModelProposer):
         bitmask = self._bitmask[:num_rows].to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab)
 
-    def _eager_rows(self, plan: "_Plan", num_rows: int) -> int:
-        """Every row's mask in the pinned bitmask (draws from the masked law need its probabilities): a host
-        draft's one-hot row, the grammar's row, else all ones.  Returns ``num_rows``."""
-        bm = self._bitmask_np
-        bm[:num_rows] = -1
-        for i, t in plan.host:
-            bm[i] = 0
-            set_bit(bm[i], t)
-        for i, row in plan.masked:
-            bm[i] = row
-        return num_rows
-
     # ------------------------------------------------------------------ one draft step
     def _begin(self, batch, k: int) -> _Step:
         """Per row: the request's state, its committed tokens (host history + this step's accepted tokens), the
-        outcome of its last drafts, and its draft block."""
+        outcome of its last drafts, and its draft block (``BatchDrafter.row``)."""
         sampled_token_ids, requests, ib, discard_mask = batch
         g = self.grammar
         num_reqs = ib.num_reqs
@@ -465,138 +337,21 @@ class GrammarDraftProposer(DraftModelProposer):
             if not valid:  # a partial prefill: vLLM ignores its drafts
                 rows.append(None)
                 continue
-            try:
-                st = g.state(req_id, requests.get(req_id))
-                g.observe(st, len(valid))
-                n = int(ib.num_tokens_no_spec[i])
-                block = None
-                if n + len(valid) < g.max_model_len:
-                    context = np.concatenate([ib.token_ids_cpu[i, :n],
-                                              np.asarray(valid, dtype=ib.token_ids_cpu.dtype)])
-                    block = g.begin(st, context, len(context), k)
-                rows.append(_Row(req_id, st, block, float(temps[i])))
-            except Exception as e:  # this request drafts as vLLM's own
-                g.fault("starting its draft step", e, req_id)
-                rows.append(_Row(req_id, None, None))
+            n = int(ib.num_tokens_no_spec[i])
+            context = None
+            if n + len(valid) < g.max_model_len:
+                def context(i=i, n=n, valid=valid):
+                    return np.concatenate([ib.token_ids_cpu[i, :n], np.asarray(valid, dtype=ib.token_ids_cpu.dtype)])
+            rows.append(self.batch.row(req_id, requests.get(req_id), len(valid), context, k, float(temps[i])))
         return _Step(rows, k)
-
-    def _plan(self, step: _Step, num_rows: int, fill: bool = False) -> "_Plan":
-        """Each row's draft at position ``step.pos``: a host draft (the chain runs first), a model draft under the
-        row's grammar (``fill``: its mask filled now, for sampled drafts; argmax drafts fill only the rows whose
-        argmax the grammar rejects, in ``_lazy``), or nothing of ours (no grammar: the model drafts as vLLM's; past
-        a request's drafts: padding, cut by ``_finish``)."""
-        j = step.pos
-        rows = step.rows
-        plan = _Plan()
-        known: list[int] | None = [0] * num_rows
-        for i in range(min(num_rows, len(rows))):
-            r = rows[i]
-            if r is None:
-                continue
-            b = r.block
-            if b is None:
-                if r.st is None or not r.st.grammar:
-                    known = None  # no grammar (or a fault): the model drafts, as vLLM's own
-                continue
-            try:
-                r.chain(j)  # the host chain first: forced tokens, jump-forward strings, recipes
-                if len(b.tokens) > j:  # a host draft
-                    t = b.tokens[j]
-                    plan.host.append((i, t))
-                    if known is not None:
-                        known[i] = t
-                elif not b.done:
-                    if fill:
-                        row = b.mask()
-                        if not np.count_nonzero(row):  # nothing allowed (cannot happen for a live grammar)
-                            b.closed = True
-                            continue
-                        plan.masked.append((i, row))
-                    plan.model.append(i)
-                    known = None
-                # else: past the request's drafts (e.g. the grammar is complete): padding
-            except Exception as e:
-                self.grammar.fault("the grammar mask at a draft position", e, r.req_id)
-                r.block = None
-                known = None
-        plan.known = known
-        return plan
-
-    def _advance(self, step: _Step, tokens: list[int], conf: dict[int, float] | None = None) -> None:
-        """Push the model's draft of position ``step.pos`` onto each block that has no token there yet (a host
-        draft, or an argmax draft ``_lazy`` pushed, has), and count the positions where the drafted token is the
-        block's.  ``conf``: row -> the draft model's probability of its token (``_unsure``'s rows); a request whose
-        product of them at this step falls below ``_confidence`` drafts nothing more at this step (that draft is
-        its last: ``draft_confidence``)."""
-        j = step.pos
-        low = self._confidence
-        ended = 0
-        for i, r in enumerate(step.rows):
-            b = r.block if r is not None else None
-            if b is None:
-                continue
-            t = int(tokens[i])
-            if len(b.tokens) == j and not b.done and not b.push(t, None, "model"):
-                b.closed = True  # outside the mask: cannot happen after masking
-            if r.real == j and len(b.tokens) > j and b.tokens[j] == t:
-                r.real += 1
-                if conf and i in conf and low is not None and b.sources[j] == "model" and not b.closed:
-                    r.reach *= conf[i]
-                    if r.reach < low:
-                        b.closed = True
-                        ended += 1
-        if ended:
-            self.grammar.counters["draft_rows_unlikely"] += ended
-
-    def _unsure(self, step: _Step, plan: "_Plan") -> list[int]:
-        """The rows whose draft-model probability ``draft_confidence`` needs at this position: model rows of sampled
-        requests (a greedy request's argmax draft is accepted or not by the target's argmax, not by chance) whose
-        drafts go on, before the last position (nothing follows it)."""
-        if self._confidence is None or step.pos >= step.k - 1:
-            return []
-        rows = step.rows
-        out = []
-        for i in plan.model:
-            r = rows[i]
-            if r.temperature >= _GREEDY_T and r.block is not None and not r.block.closed:
-                out.append(i)
-        return out
-
-    def _needs_model(self, step: _Step) -> bool:
-        """Whether any request needs a draft-model token at position ``step.pos`` or later: one without grammar
-        drafts (vLLM's own drafting), or one whose host chain stops before its block is done."""
-        p = step.pos
-        for r in step.rows:
-            if r is None:  # a partial prefill: vLLM ignores its drafts
-                continue
-            b = r.block
-            if b is None:
-                if r.st is None or not r.st.grammar:
-                    return True
-                continue
-            r.chain(p)  # what _plan does first at position p
-            if not b.done:
-                return True
-        return False
 
     def _assemble(self, step: _Step):
         """The [B, k] drafts (and ``_last_draft_probs``) when the loop stopped early: the drafted positions, then
         each block's host drafts (one-hot probabilities), then padding (cut by ``_finish``)."""
-        done = step.pos
-        k = step.k
+        done, k = step.pos, step.k
         device = step.tokens[0].device
-        rows = []
-        for i, r in enumerate(step.rows):
-            b = r.block if r is not None else None
-            tail = []
-            for p in range(done, k):
-                t = b.tokens[p] if b is not None and p < len(b.tokens) else -1
-                if t >= 0 and r.real == p:
-                    r.real += 1
-                tail.append(max(t, 0))
-            rows.append(tail)
         drafted = torch.stack(step.tokens, dim=1).to(torch.int64)
-        rest = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        rest = torch.tensor(self.batch.tails(step), dtype=torch.int64).to(device, non_blocking=True)
         drafts = torch.cat([drafted, rest], dim=1)
         if any(p is not None for p in step.probs):
             probs = torch.zeros((drafts.shape[0], k, step.probs[0].shape[-1] if step.probs[0] is not None
@@ -611,39 +366,43 @@ class GrammarDraftProposer(DraftModelProposer):
         return drafts
 
     def _finish(self, step: _Step, drafts) -> None:
-        """Count each request's drafts and cut what follows its real drafts: a -1 ends a structured-output
-        request's drafts (vLLM strips it before ``validate_tokens``, structured_output/utils.py:48), so padding
-        past the end of a grammar is never scheduled.  Rows without a grammar keep the model's drafts."""
-        g = self.grammar
+        """Count each request's drafts and cut what follows its real drafts (``BatchDrafter.cuts``; the budget's
+        rows end them too, ``fitting_drafts``): a -1 ends a structured-output request's drafts (vLLM strips it
+        before ``validate_tokens``, structured_output/utils.py:48), so padding past the end of a grammar is never
+        scheduled.  Rows without a grammar keep the model's drafts."""
         k = drafts.shape[1] if drafts.dim() == 2 else 0
-        cut = []
-        for i, r in enumerate(step.rows):
-            if r is None or r.st is None:
-                continue
-            if not r.st.grammar:  # no grammar: the model's drafts, as vLLM's own
-                g.record(r.st, r.req_id, [0] * k, ["model"] * k)
-                continue
-            real = r.real if r.block is not None else 0
-            b = r.block
-            if real and r.st.grammar and r.st.history is not None:  # the budget's rows: drafts end where they forbid
-                real = fitting_drafts(r.req_id, b.context[r.st.prompt_len:], b.tokens[:real])
-            if b is None:
-                g.record(r.st, r.req_id, [], [])
-            else:
-                g.record(r.st, r.req_id, b.tokens[:real], b.sources[:real])
-            if real < k:
-                cut.append((i, real))
+        cut = self.batch.cuts(step, k, lambda r, real: fitting_drafts(
+            r.req_id, r.block.context[r.st.prompt_len:], r.block.tokens[:real]))
         if cut:
             keep = torch.ones(drafts.shape, dtype=torch.bool)
             for i, real in cut:
                 keep[i, real:] = False
             drafts.masked_fill_(~keep.to(drafts.device, non_blocking=True), -1)
 
-    @staticmethod
-    def _end_grammar(step: _Step) -> None:
-        for r in step.rows:
-            if r is not None and r.block is not None:
-                r.block.closed = True
+    # the batch layer's per-position steps, by their former names (tests and the benchmark call them)
+    def _plan(self, step, num_rows, fill=False):
+        return self.batch.plan(step, num_rows, fill)
+
+    def _advance(self, step, tokens, conf=None):
+        self.batch.advance(step, tokens, conf)
+
+    def _unsure(self, step, plan):
+        return self.batch.unsure(step, plan)
+
+    def _needs_model(self, step):
+        return self.batch.needs_model(step)
+
+    def _eager_rows(self, plan, num_rows):
+        return self.batch.eager_rows(plan, self._bitmask_np, num_rows)
+
+
+class GrammarDraftProposer(GrammarDrafting, DraftModelProposer):
+    """vLLM's draft-model proposer (``method="draft_model"``), grammar-aware."""
+
+
+class GrammarEagleProposer(GrammarDrafting, EagleProposer):
+    """vLLM's EAGLE proposer (EAGLE, EAGLE-3, MTP), grammar-aware: the same hooks, which vLLM's shared drafting
+    loop calls for it too.  Not wired into the runner yet (``wiring.py`` rebinds the draft-model proposer only)."""
 
 
 def _probability_of(logits, rows: list[int], tokens: list[int], temperatures: list[float]) -> dict[int, float]:

@@ -44,28 +44,22 @@ import json
 import logging
 import time
 import weakref
-from collections import OrderedDict
 from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
 
-from specgrammar_plugins.api import (BudgetError, ConstraintError, DraftBlock, HistoryMatcher, SamplingParams,
-                                     SpecOptions, check_budget, compile_constraint, fill, make_drafter,
-                                     resolve_pack_name)
+from specgrammar_plugins.api import BATCH_COUNTERS as COUNTERS
+from specgrammar_plugins.api import (BudgetError, ConstraintError, HistoryMatcher, RequestState, RequestTable,
+                                     SamplingParams, SpecOptions, check_budget, compile_constraint, fill,
+                                     make_drafter, resolve_pack_name)
 
 from .structured import ENGINES, engine_options, params_key, spec_from_params
 
 log = logging.getLogger("vllm.specgrammar")
 
 _INSTANCES: "weakref.WeakSet[GrammarStates]" = weakref.WeakSet()
-_MISS = object()
-MEMO_SIZE = 256  # GrammarStates._memo: requests' specs and compiled constraints kept, most recently used
 DEFAULT_DRAFTERS = ("forced", "recipe")
-COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
-            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "proposer_errors",
-            "draft_passes", "draft_passes_skipped", "positions_without_logits", "budget_cut_off",
-            "draft_rows_unmasked", "draft_rows_masked", "draft_rows_ended", "draft_rows_unlikely")
 MOVED_DRAFT_MODEL = (
     "the specgrammar option 'draft_model' is gone: give the draft model to vLLM instead, "
     "--speculative-config '{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": K}' "
@@ -88,21 +82,9 @@ def instances() -> list["GrammarStates"]:
     return list(_INSTANCES)
 
 
-class _RequestState:
-    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "grammar")
-
-    def __init__(self, history: HistoryMatcher | None, drafter, prompt_len: int, stop_ids: tuple[int, ...],
-                 grammar: bool = True):
-        self.history = history  # None: no grammar drafts (no constraint, or it cannot be followed)
-        self.drafter = drafter  # the host chain (forced, recipe), or None
-        self.prompt_len = prompt_len
-        self.stop_ids = stop_ids
-        self.pending = 0  # drafts proposed at the last step, outcome not yet seen
-        self.grammar = grammar  # the request has structured outputs (False: unconstrained)
-
-
-class GrammarStates:
-    """Per-request grammar state keyed by vLLM request id, and the counters (one per proposer)."""
+class GrammarStates(RequestTable):
+    """Per-request grammar state keyed by vLLM request id, and the counters (one per proposer): the core's
+    ``RequestTable`` (the batch layer), with vLLM's request -> constraint and drafters (``new_state``)."""
 
     def __init__(self, vllm_config):
         from .compat import check_supported
@@ -128,52 +110,36 @@ class GrammarStates:
             log.warning("specgrammar: a reasoning parser is configured; no grammar drafts "
                         "(vLLM's grammar starts after the reasoning, which the proposer does not track)")
         self.model_config = vllm_config.model_config
-        self.vocab_size = int(self.model_config.get_vocab_size())
-        self.max_model_len = int(self.model_config.max_model_len)
+        self.init_table(self.k, int(self.model_config.get_vocab_size()), int(self.model_config.max_model_len), log)
         self._tokinfo = None  # the model's tokenizer (drafters, recipe packs)
         self._grammar_tok = None  # the same as vLLM's grammar backend reads it (matchers)
         self._tokinfos: dict[tuple, Any] = {}
-        self._states: dict[str, _RequestState] = {}
-        self.counters = {name: 0 for name in COUNTERS}
-        self.sources: dict[str, int] = {}
-        self.accepted_by_position = [0] * self.k
-        self.timing_ns = {"grammar": 0}  # host work of the grammar drafts (benchmarks read it)
-        self.last_drafted: dict[str, int] = {}  # request id -> drafts proposed at its last step (tests)
-        self._faulted: set = set()  # requests (and kinds of step-wide faults) already logged
-        self._memos: OrderedDict = OrderedDict()  # _memo's: a request's spec and compiled constraint by its params
         # compiled constraint -> {max_tokens: why it cannot end within it, or None}: _check_budget's verdicts
         self._budget_verdicts: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         self._logged_at = time.monotonic()
         _INSTANCES.add(self)
 
     # ------------------------------------------------------------------ per request
-    def state(self, req_id: str, req) -> _RequestState:
-        st = self._states.get(req_id)
-        if st is None:
-            st = self._states[req_id] = self._new_state(req, req_id)
-        return st
-
-    def _new_state(self, req, req_id: str | None = None) -> _RequestState:
-        self.counters["requests_seen"] += 1
+    def new_state(self, req, req_id: str | None = None) -> RequestState:
         sp = getattr(req, "sampling_params", None)
         prompt_len = int(getattr(req, "num_prompt_tokens", 0) or 0)
         so = getattr(sp, "structured_outputs", None) if sp is not None else None
         key = params_key(so)
-        spec = self._memo(("spec", key) if key else None, lambda: spec_from_params(so))
+        spec = self.memo(("spec", key) if key else None, lambda: spec_from_params(so))
         if spec is None or self.reasoning:
             self.counters["requests_without_grammar"] += 1
-            return _RequestState(None, None, prompt_len, (), grammar=spec is not None)
+            return RequestState(None, None, prompt_len, (), grammar=spec is not None)
         stop_ids = tuple(sorted(int(t) for t in (getattr(sp, "all_stop_token_ids", None) or ())))
         eos = getattr(sp, "eos_token_id", None)
         tok = self._tokenizer_info(stop_ids, eos)
         engine = self._engine_for(so)
         try:
-            compiled = self._memo(("compiled", key, engine, stop_ids, eos) if key else None,
+            compiled = self.memo(("compiled", key, engine, stop_ids, eos) if key else None,
                                   lambda: compile_constraint(spec, tok, engine=engine, **self.engine_options))
         except ConstraintError as e:  # vLLM's own backend refuses it too (or will): no drafts, no failure here
             self.counters["compile_errors"] += 1
             log.warning("specgrammar: no grammar drafts for a request: %s", e)
-            return _RequestState(None, None, prompt_len, stop_ids)
+            return RequestState(None, None, prompt_len, stop_ids)
         # the drafters see the model's tokenizer (recipe packs are fingerprinted against it), the matcher the
         # request's stop tokens
         # per request: SamplingParams.extra_args["specgrammar"] = {"recipe": ..., "drafters": [...]} (the OpenAI
@@ -213,24 +179,7 @@ class GrammarStates:
             log.warning("specgrammar: drafters unavailable for a request (%s: %s); using %s", type(e).__name__, e,
                         list(names))
             drafter = chain(names)
-        return _RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
-
-    def _memo(self, key, make):
-        """``make()``, once per ``key`` (None: every time) among the last ``MEMO_SIZE`` keys.  For a request's spec
-        and compiled constraint: ``spec_from_params`` (up to ms for a grammar) and ``compile_constraint``'s checks
-        and cache lookup run in the engine step of each new request's first draft step, and many requests share
-        one constraint.  Errors are not kept (they are raised again, and counted, for every request)."""
-        if key is None:
-            return make()
-        memo = self._memos
-        hit = memo.get(key, _MISS)
-        if hit is _MISS:
-            hit = memo[key] = make()
-            if len(memo) > MEMO_SIZE:
-                memo.popitem(last=False)
-        else:
-            memo.move_to_end(key)
-        return hit
+        return RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
 
     def _check_budget(self, compiled, max_tokens, req_id: str | None = None) -> None:
         """The drafting side of budget feasibility: vLLM's own sampler draws the target's tokens, so a request whose
@@ -258,84 +207,6 @@ class GrammarStates:
             self.counters["budget_cut_off"] += 1
             log.log(logging.WARNING if first else logging.DEBUG, "specgrammar: this request will end cut off at "
                     "max_tokens (its budget mask is off): %s", reason)
-
-    def begin(self, st: _RequestState, context: np.ndarray, n: int, k: int | None = None) -> DraftBlock | None:
-        """The request's draft block for this step, on its history's own matcher synced to ``context[:n]`` (the
-        committed tokens; a lazy block: vLLM verifies with masks of its own), or None when it gets no grammar
-        drafts (no grammar, grammar complete, no room)."""
-        h = st.history
-        if h is None:
-            return None
-        # committed tokens only grow: compare and feed only what follows the last synced history (its last token
-        # checked), the whole history otherwise (a new request, a preempted one recomputed)
-        p, base = st.prompt_len, h.synced
-        if 0 < base <= len(h.fed) and p + base <= n and h.fed[base - 1] == context[p + base - 1]:
-            ok = h.sync_tail(base, context[p + base:n].tolist())
-        else:
-            ok = h.sync(context[p:n].tolist())
-        if not ok:
-            # The history holds a token our matcher rejects.  After the grammar's stop token this is vLLM's bonus
-            # token past the end of a finishing request (the scheduler cuts it at the stop token): benign.
-            # Anything else means our grammar and vLLM's disagree: never draft for this request again.
-            if not st.history.matcher.is_terminated():
-                self.counters["invalid_history"] += 1
-                log.warning("specgrammar: committed tokens outside the grammar (fed ...%s, history ...%s); "
-                            "no more drafts for this request", st.history.fed[-8:], context[max(p, n - 8):n].tolist())
-                st.history = None
-            return None
-        m = st.history.matcher
-        if m.is_terminated():
-            return None
-        budget = min(self.k if k is None else k, self.max_model_len - n)
-        if budget <= 0:
-            return None
-        # the history's own matcher, not a fork (O(tokens so far) on xgrammar): the next sync rolls back the drafts
-        # vLLM did not commit; lazy: a position's mask is filled only where something reads it
-        return DraftBlock(context[:n], st.history.draft(), self.vocab_size, budget, st.stop_ids, lazy=True)
-
-    def record(self, st: _RequestState, req_id: str, tokens: Sequence[int], sources: Sequence[str]) -> None:
-        """Count the drafts proposed for a request at this step (its outcome is seen at the next one)."""
-        self.last_drafted[req_id] = len(tokens)
-        if not tokens:
-            return
-        st.pending = len(tokens)
-        self.counters["rounds"] += 1
-        self.counters["draft_tokens"] += len(tokens)
-        for s in sources:
-            self.sources[s] = self.sources.get(s, 0) + 1
-
-    def observe(self, st: _RequestState, num_sampled: int) -> None:
-        """The outcome of the last round: ``num_sampled - 1`` drafts were accepted (plus one target token)."""
-        if not st.pending:
-            return
-        accepted = max(0, min(st.pending, num_sampled - 1))
-        self.counters["verified_rounds"] += 1
-        self.counters["verified_draft_tokens"] += st.pending
-        self.counters["accepted_tokens"] += accepted
-        for j in range(min(accepted, len(self.accepted_by_position))):
-            self.accepted_by_position[j] += 1
-        st.pending = 0
-
-    def prune(self, live) -> None:
-        if len(self._states) > len(live) or any(r not in live for r in self._states):
-            for r in [r for r in self._states if r not in live]:
-                del self._states[r]
-                self.last_drafted.pop(r, None)
-                self._faulted.discard(r)
-
-    def fault(self, where: str, e: BaseException, req_id: str | None = None) -> None:
-        """A fault in our own drafting: the request (or the step) gets no grammar drafts, the engine goes on.
-        Logged once per request, and once per kind of step-wide fault (with the traceback for the first few)."""
-        self.counters["proposer_errors"] += 1
-        key = req_id if req_id is not None else (where, type(e).__name__)
-        if key not in self._faulted:
-            if len(self._faulted) < 10_000:  # (request ids leave with their requests; step-wide kinds are few)
-                self._faulted.add(key)
-            log.warning("specgrammar: %s failed (%s: %s)%s; no grammar drafts there", where, type(e).__name__, e,
-                        f" for request {req_id}" if req_id else "", exc_info=self.counters["proposer_errors"] <= 3)
-        if req_id is not None:
-            if req_id in self._states:
-                self._states[req_id].history = None
 
     def maybe_log(self) -> None:
         """One INFO line with the draft counts by source, at most every ``VLLM_LOG_STATS_INTERVAL`` seconds
@@ -406,15 +277,6 @@ class GrammarStates:
             log.warning("specgrammar: could not read the tokenizer as xgrammar does (%s); using ours", e)
             return tok
 
-    # ------------------------------------------------------------------ reading
-    @property
-    def num_live_requests(self) -> int:
-        return len(self._states)
-
-    def stats(self) -> dict:
-        return {**self.counters, "sources": dict(self.sources), "accepted_by_position": list(self.accepted_by_position),
-                "live_requests": len(self._states), "grammar_ms": self.timing_ns["grammar"] / 1e6}
-
 
 class GrammarProposer(GrammarStates):
     """The ``custom_class`` proposer (forced + recipe drafts, no model): one per model runner, built by vLLM from
@@ -465,7 +327,7 @@ class GrammarProposer(GrammarStates):
         self.maybe_log()
         return out
 
-    def _draft(self, st: _RequestState, req_id: str, row: np.ndarray, n: int) -> list[int]:
+    def _draft(self, st: RequestState, req_id: str, row: np.ndarray, n: int) -> list[int]:
         try:
             block = self.begin(st, row, n)
             if block is not None:

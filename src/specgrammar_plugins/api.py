@@ -19,12 +19,19 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
 - ``patch_path``: a shipped host patch (``patches/``); ``resolve_pack``: a recipe pack by path or shipped name (the
   operator's options); ``resolve_pack_name``: the pack a request names (a name only: the server's pack directory,
   then the shipped packs);
-- what a host implements: ``ModelRunner`` (a model with a trimmable KV cache), ``TokenizerInfo``.
+- the batch layer, for hosts that draft for many requests at once and verify themselves (``batch``): ``RequestTable``
+  (per-request grammar state, fault isolation, counters), ``BatchDrafter`` (the per-position plan: the host chain
+  first, then masked model rows; lazy masks; per-row bookkeeping) with ``Step``, ``Row``, ``Plan``,
+  ``EnoughDrafts`` and the options ``refused_drafts_option`` / ``draft_confidence_option``;
+- what a host implements: ``ModelRunner`` (a model with a trimmable KV cache; ``HiddenStatesRunner``: one that also
+  hands over its hidden states), ``TokenizerInfo``.
 """
 
 from __future__ import annotations
 
-from .block import DraftBlock, Drafter, ModelRunner, fill
+from .batch import (COUNTERS as BATCH_COUNTERS, DRAFT_CONFIDENCE, GREEDY_T, REFUSED_DRAFTS, BatchDrafter, EnoughDrafts,
+                    Plan, RequestState, RequestTable, Row, Step, draft_confidence_option, refused_drafts_option)
+from .block import DraftBlock, Drafter, HiddenStatesRunner, ModelRunner, fill
 from .compile_worker import POOL as COMPILE_POOL
 from .compiler import LIMITS, compile_constraint
 from .constraint import CompiledConstraint, ConstraintSpec, Forced, Matcher
@@ -48,6 +55,8 @@ from .tokenizer import TokenizerInfo
 from .verify import Verdict, verify_block
 
 __all__ = [
+    "BATCH_COUNTERS", "BatchDrafter", "DRAFT_CONFIDENCE", "EnoughDrafts", "GREEDY_T", "HiddenStatesRunner", "Plan",
+    "REFUSED_DRAFTS", "RequestState", "RequestTable", "Row", "Step", "draft_confidence_option", "refused_drafts_option",
     "BudgetError", "COMPILE_POOL", "Checked", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
     "DraftBlock", "Drafter", "EmptyMaskError", "Forced", "GREEDY", "HistoryMatcher", "Host", "LIMITS", "LawBackend",
     "MaskProcessor", "Matcher", "ModelNotInstalled", "ModelRunner", "RecipePackError", "RequestBoundary", "RequestError", "SamplingParams",

@@ -12,7 +12,7 @@ the face of a drafter (``drafters.py``).
 from __future__ import annotations
 
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -38,6 +38,15 @@ class ModelRunner(Protocol):
 
     def trim(self, n: int) -> None:
         """Drop the last ``n`` tokens from the cache (O(1) where the host allows)."""
+
+
+class HiddenStatesRunner(ModelRunner, Protocol):
+    """A ``ModelRunner`` that also hands over its hidden states, for a drafter that reads the target's (EAGLE,
+    MTP: their draft heads run on the target's last hidden states).  In a batch (``batch.Step.hidden``) the host
+    passes the step's hidden states beside the rows."""
+
+    def forward_hidden(self, tokens: Sequence[int], logits_for: int | None = None) -> tuple[Any, Any]:
+        """``forward``, and the hidden states [m, hidden_size] of the same ``m`` positions (the host's tensors)."""
 
 
 class DraftBlock:

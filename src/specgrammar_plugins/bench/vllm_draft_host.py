@@ -37,9 +37,8 @@ def _proposer(vocab: int, batch: int):
     """A ``GrammarDraftProposer`` without vLLM's engine: the attributes its per-position methods read."""
     import torch
 
-    from ..api import mask_words
+    from ..api import BATCH_COUNTERS, BatchDrafter, mask_words
     from specgrammar_vllm.draft_proposer import GrammarDraftProposer
-    from specgrammar_vllm.proposer import COUNTERS
 
     p = object.__new__(GrammarDraftProposer)
     p._vocab = vocab
@@ -50,7 +49,8 @@ def _proposer(vocab: int, batch: int):
     def fault(where, e, req_id=None):
         raise e
 
-    p.grammar = SimpleNamespace(counters=dict.fromkeys(COUNTERS, 0), fault=fault)
+    p.grammar = SimpleNamespace(counters=dict.fromkeys(BATCH_COUNTERS, 0), fault=fault)
+    p.batch = BatchDrafter(p.grammar, vocab)
     return p
 
 

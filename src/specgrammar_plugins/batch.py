@@ -1,0 +1,543 @@
+"""The batch layer: grammar-aware drafting for many requests at once, for hosts that batch and verify themselves.
+
+A host that drafts for a batch of requests (vLLM's draft-model, EAGLE and MTP proposers; any batched server) calls
+this layer; the host keeps only what touches its own classes (its request objects, its tensors, its loop).
+
+- ``RequestTable``: per-request grammar state keyed by the host's request id (``RequestState``: the history-keyed
+  matcher, the host chain, the prompt length), synced to the committed tokens at every step (``begin``: a lazy
+  ``DraftBlock`` on the history's own matcher), the outcome of the last drafts (``observe``), the counters, and
+  per-request fault isolation (``fault``: a fault in our drafting for one request ends that request's grammar
+  drafts, logged once; the others go on).  A host subclasses it and implements ``new_state(req, req_id)``: its
+  request -> a ``RequestState`` (constraint, drafters).
+- ``BatchDrafter``: one draft step over the batch, position by position (``Step`` of ``Row``s).  At each position
+  ``plan`` runs every row's host chain first (forced tokens, jump-forward strings, recipes: once per block length)
+  and sorts the rows into host drafts, model rows (the draft model drafts under the row's grammar) and rows with
+  nothing of ours (``Plan``); ``known`` is every row's token when no row needs the model there, so the host skips
+  the draft pass.  Argmax drafts are masked lazily (``lazy``: each model row's unmasked argmax offered to its
+  block's matcher; only a refused row has its mask filled and its masked argmax taken, by the host's
+  ``masked_argmax``); sampled drafts need every row's mask (``eager_rows``: one packed bitmask [B, V/32] per
+  position, applied by the host's kernel).  ``advance`` pushes the position's tokens and counts each row's real
+  drafts; ``unsure`` names the rows whose draft probability ``draft_confidence`` needs; ``needs_model`` says
+  whether a later position needs the model (else the host ends its loop: ``EnoughDrafts``); ``tails`` and ``cuts``
+  build and cut the step's [B, k] drafts.
+- The target's hidden states: a drafter that reads them (EAGLE, MTP) gets them from its host; ``Step.hidden``
+  carries what the host hands over for the step (opaque to this layer, which never reads a tensor), and
+  ``block.HiddenStatesRunner`` is the runner face that returns them beside the logits.
+
+Options (a host reads them from its configuration): ``refused_drafts`` (``REFUSED_DRAFTS``) and ``draft_confidence``
+(``DRAFT_CONFIDENCE``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .block import DraftBlock, fill
+from .history import HistoryMatcher
+from .masks import set_bit
+
+log = logging.getLogger("specgrammar")
+
+# An argmax draft the grammar refuses means the draft model's law is mostly outside the grammar there: the masked
+# argmax drafted in its place was accepted 21% of the times it was reached (389 of 1,822, the tiny pair on unseen
+# schemas), so the positions after it are rarely reached, yet each costs a draft pass and a verification slot.  A
+# request's drafts end after this many refused positions per step (option "refused_drafts"; None: up to k)
+REFUSED_DRAFTS = 1
+GREEDY_T = 1e-5  # a row with a temperature below it is greedy (vLLM's _SAMPLING_EPS; vLLM stores 0 for greedy)
+# A request's drafts also end after a model draft when the chance the next position is reached falls below this:
+# the product of the draft model's probabilities of its drafts at this step (option "draft_confidence"; None: off)
+DRAFT_CONFIDENCE = 0.2
+MEMO_SIZE = 256  # RequestTable.memo: requests' specs and compiled constraints kept, most recently used
+COUNTERS = ("rounds", "draft_tokens", "verified_rounds", "verified_draft_tokens", "accepted_tokens",
+            "requests_seen", "requests_without_grammar", "compile_errors", "invalid_history", "proposer_errors",
+            "draft_passes", "draft_passes_skipped", "positions_without_logits", "budget_cut_off",
+            "draft_rows_unmasked", "draft_rows_masked", "draft_rows_ended", "draft_rows_unlikely")
+_MISS = object()
+
+
+def refused_drafts_option(opts: dict) -> int | None:
+    """The option ``"refused_drafts"``: after how many refused positions a request's drafts end at a step (0: at the
+    first, with nothing drafted there, as vLLM's ``validate_tokens`` cuts a blind draft; None: never, up to k)."""
+    n = opts.get("refused_drafts", REFUSED_DRAFTS)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise ValueError(f'the specgrammar option "refused_drafts" must be a non-negative integer or null, got {n!r}')
+    return n
+
+
+def draft_confidence_option(opts: dict) -> float | None:
+    """The option ``"draft_confidence"``: a request's drafts end at a step after the model draft where the product of
+    the draft model's probabilities of its drafts falls below this (0 or None: never)."""
+    x = opts.get("draft_confidence", DRAFT_CONFIDENCE)
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x < 1:
+        raise ValueError(f'the specgrammar option "draft_confidence" must be a number in [0, 1) or null, got {x!r}')
+    return float(x) or None
+
+
+# ---------------------------------------------------------------------------------------------- per request
+class RequestState:
+    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "grammar")
+
+    def __init__(self, history: HistoryMatcher | None, drafter, prompt_len: int, stop_ids: tuple[int, ...],
+                 grammar: bool = True):
+        self.history = history  # None: no grammar drafts (no constraint, or it cannot be followed)
+        self.drafter = drafter  # the host chain (forced, recipe), or None
+        self.prompt_len = prompt_len
+        self.stop_ids = stop_ids
+        self.pending = 0  # drafts proposed at the last step, outcome not yet seen
+        self.grammar = grammar  # the request has a constraint (False: unconstrained)
+
+
+class RequestTable:
+    """Per-request grammar state keyed by the host's request id, and the counters.  A host subclass implements
+    ``new_state(req, req_id) -> RequestState`` and calls ``init_table`` from its constructor."""
+
+    def init_table(self, k: int, vocab_size: int, max_model_len: int, logger: logging.Logger | None = None) -> None:
+        self.k = k
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.log = logger or log
+        self._states: dict[str, RequestState] = {}
+        self.counters = {name: 0 for name in COUNTERS}
+        self.sources: dict[str, int] = {}
+        self.accepted_by_position = [0] * k
+        self.timing_ns = {"grammar": 0}  # host work of the grammar drafts (benchmarks read it)
+        self.last_drafted: dict[str, int] = {}  # request id -> drafts proposed at its last step (tests)
+        self._faulted: set = set()  # requests (and kinds of step-wide faults) already logged
+        self._memos: OrderedDict = OrderedDict()  # memo's: a request's spec and compiled constraint by its params
+
+    def new_state(self, req, req_id: str | None = None) -> RequestState:
+        raise NotImplementedError
+
+    def state(self, req_id: str, req) -> RequestState:
+        st = self._states.get(req_id)
+        if st is None:
+            self.counters["requests_seen"] += 1
+            st = self._states[req_id] = self.new_state(req, req_id)
+        return st
+
+    def memo(self, key, make):
+        """``make()``, once per ``key`` (None: every time) among the last ``MEMO_SIZE`` keys.  For a request's spec
+        and compiled constraint: building them runs in the host's step of each new request's first draft step,
+        and many requests share one constraint.  Errors are not kept (they are raised again for every request)."""
+        if key is None:
+            return make()
+        memo = self._memos
+        hit = memo.get(key, _MISS)
+        if hit is _MISS:
+            hit = memo[key] = make()
+            if len(memo) > MEMO_SIZE:
+                memo.popitem(last=False)
+        else:
+            memo.move_to_end(key)
+        return hit
+
+    def begin(self, st: RequestState, context: np.ndarray, n: int, k: int | None = None) -> DraftBlock | None:
+        """The request's draft block for this step, on its history's own matcher synced to ``context[:n]`` (the
+        committed tokens; a lazy block: the host verifies with masks of its own), or None when it gets no grammar
+        drafts (no grammar, grammar complete, no room)."""
+        h = st.history
+        if h is None:
+            return None
+        # committed tokens only grow: compare and feed only what follows the last synced history (its last token
+        # checked), the whole history otherwise (a new request, a preempted one recomputed)
+        p, base = st.prompt_len, h.synced
+        if 0 < base <= len(h.fed) and p + base <= n and h.fed[base - 1] == context[p + base - 1]:
+            ok = h.sync_tail(base, context[p + base:n].tolist())
+        else:
+            ok = h.sync(context[p:n].tolist())
+        if not ok:
+            # The history holds a token our matcher rejects.  After the grammar's stop token this is the host's
+            # bonus token past the end of a finishing request (vLLM's scheduler cuts it at the stop token): benign.
+            # Anything else means our grammar and the host's disagree: never draft for this request again.
+            if not st.history.matcher.is_terminated():
+                self.counters["invalid_history"] += 1
+                self.log.warning("specgrammar: committed tokens outside the grammar (fed ...%s, history ...%s); "
+                                 "no more drafts for this request", st.history.fed[-8:],
+                                 context[max(p, n - 8):n].tolist())
+                st.history = None
+            return None
+        m = st.history.matcher
+        if m.is_terminated():
+            return None
+        budget = min(self.k if k is None else k, self.max_model_len - n)
+        if budget <= 0:
+            return None
+        # the history's own matcher, not a fork (O(tokens so far) on xgrammar): the next sync rolls back the drafts
+        # the host did not commit; lazy: a position's mask is filled only where something reads it
+        return DraftBlock(context[:n], st.history.draft(), self.vocab_size, budget, st.stop_ids, lazy=True)
+
+    def record(self, st: RequestState, req_id: str, tokens: Sequence[int], sources: Sequence[str]) -> None:
+        """Count the drafts proposed for a request at this step (its outcome is seen at the next one)."""
+        self.last_drafted[req_id] = len(tokens)
+        if not tokens:
+            return
+        st.pending = len(tokens)
+        self.counters["rounds"] += 1
+        self.counters["draft_tokens"] += len(tokens)
+        for s in sources:
+            self.sources[s] = self.sources.get(s, 0) + 1
+
+    def observe(self, st: RequestState, num_sampled: int) -> None:
+        """The outcome of the last round: ``num_sampled - 1`` drafts were accepted (plus one target token)."""
+        if not st.pending:
+            return
+        accepted = max(0, min(st.pending, num_sampled - 1))
+        self.counters["verified_rounds"] += 1
+        self.counters["verified_draft_tokens"] += st.pending
+        self.counters["accepted_tokens"] += accepted
+        for j in range(min(accepted, len(self.accepted_by_position))):
+            self.accepted_by_position[j] += 1
+        st.pending = 0
+
+    def prune(self, live) -> None:
+        """Drop the state of every request not in ``live`` (finished or aborted)."""
+        if len(self._states) > len(live) or any(r not in live for r in self._states):
+            for r in [r for r in self._states if r not in live]:
+                del self._states[r]
+                self.last_drafted.pop(r, None)
+                self._faulted.discard(r)
+
+    def fault(self, where: str, e: BaseException, req_id: str | None = None) -> None:
+        """A fault in our own drafting: the request (or the step) gets no grammar drafts, the host goes on.
+        Logged once per request, and once per kind of step-wide fault (with the traceback for the first few)."""
+        self.counters["proposer_errors"] += 1
+        key = req_id if req_id is not None else (where, type(e).__name__)
+        if key not in self._faulted:
+            if len(self._faulted) < 10_000:  # (request ids leave with their requests; step-wide kinds are few)
+                self._faulted.add(key)
+            self.log.warning("specgrammar: %s failed (%s: %s)%s; no grammar drafts there", where, type(e).__name__,
+                             e, f" for request {req_id}" if req_id else "",
+                             exc_info=self.counters["proposer_errors"] <= 3)
+        if req_id is not None:
+            if req_id in self._states:
+                self._states[req_id].history = None
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._states)
+
+    def stats(self) -> dict:
+        return {**self.counters, "sources": dict(self.sources), "accepted_by_position": list(self.accepted_by_position),
+                "live_requests": len(self._states), "grammar_ms": self.timing_ns["grammar"] / 1e6}
+
+
+# ---------------------------------------------------------------------------------------------- one draft step
+class Row:
+    """One batch row's drafting at this step: its request state and draft block (None: no grammar drafts)."""
+
+    __slots__ = ("req_id", "st", "block", "real", "tried", "refused", "reach", "temperature")
+
+    def __init__(self, req_id, st, block, temperature: float = 0.0):
+        self.req_id = req_id
+        self.temperature = temperature  # the request's sampling temperature (below GREEDY_T: greedy)
+        self.st = st
+        self.block = block
+        self.real = 0  # leading positions whose drafted token is the block's (the request's real drafts)
+        self.tried = -1  # the block length at which the host chain last ran and stopped (it would stop there again)
+        self.refused = 0  # positions at this step where the grammar refused the draft model's argmax
+        self.reach = 1.0  # the product of the draft model's probabilities of its drafts at this step
+
+    def chain(self, j: int) -> None:
+        """Run the request's host chain (forced tokens, jump-forward strings, recipes) until the block has a token
+        at position ``j``, is done, or the chain has nothing more: once per block length, since the chain is a
+        function of the block's sequence (``plan`` and ``needs_model`` both ask at the same length)."""
+        b = self.block
+        n = len(b.tokens)
+        if n <= j and n != self.tried and not b.done:
+            fill(b, self.st.drafter)
+            self.tried = len(b.tokens)
+
+
+class Step:
+    """One draft step: its rows (None: a row the host ignores, e.g. a partial prefill), k, the position being
+    drafted, what the host keeps per drafted position (``tokens``, ``probs``: its tensors) and ``hidden``: the
+    target's hidden states the host hands over for drafters that read them (opaque here)."""
+
+    __slots__ = ("rows", "k", "pos", "tokens", "probs", "hidden")
+
+    def __init__(self, rows: list[Row | None], k: int, hidden: Any = None):
+        self.rows = rows
+        self.k = k
+        self.pos = 0
+        self.tokens: list = []  # per drafted position: the [B] draft tokens (host tensor)
+        self.probs: list = []  # per drafted position: their [B, V] probabilities, or None (argmax drafts)
+        self.hidden = hidden
+
+
+class Plan:
+    """One draft position's rows (``BatchDrafter.plan``): ``host`` (row, host draft), ``model`` (the rows whose draft
+    the model makes under their grammar), ``masked`` (row, its filled packed mask: sampled drafts only, which need
+    every such row masked), ``known``: every row's token when no row needs the model there."""
+
+    __slots__ = ("host", "model", "masked", "known")
+
+    def __init__(self):
+        self.host: list[tuple[int, int]] = []
+        self.model: list[int] = []
+        self.masked: list[tuple[int, np.ndarray]] = []
+        self.known: list[int] | None = None
+
+
+class EnoughDrafts(Exception):
+    """Raised from inside a host's drafting loop when no request needs the draft model at a later position: every
+    draft left is a host draft or nothing, so the remaining draft-model passes are skipped (the host catches it
+    around its loop and assembles the drafts: ``BatchDrafter.tails``)."""
+
+
+class BatchDrafter:
+    """The per-position logic of one draft step over a batch (see the module docstring).  ``table``: the host's
+    ``RequestTable`` (or anything with its ``counters``, ``fault``, ``begin``, ``state``, ``observe``, ``record``).
+    ``refused_drafts`` and ``confidence``: the options."""
+
+    def __init__(self, table, vocab_size: int, refused_drafts: int | None = REFUSED_DRAFTS,
+                 confidence: float | None = DRAFT_CONFIDENCE):
+        self.table = table
+        self.vocab_size = vocab_size
+        self.refused_drafts = refused_drafts
+        self.confidence = confidence
+
+    # ------------------------------------------------------------------ a step's rows
+    def row(self, req_id: str, req, accepted: int, context: Callable[[], np.ndarray] | None, k: int,
+            temperature: float = 0.0) -> Row:
+        """Row of request ``req_id`` (the host's request object ``req``): the outcome of its last drafts (``accepted``
+        tokens sampled at the last step, the bonus token included), its committed tokens (``context()``; None: no
+        room for drafts) and its draft block.  A fault here is the request's alone: it drafts as the host's own."""
+        g = self.table
+        try:
+            st = g.state(req_id, req)
+            g.observe(st, accepted)
+            block = None
+            if context is not None:
+                ctx = context()
+                block = g.begin(st, ctx, len(ctx), k)
+            return Row(req_id, st, block, temperature)
+        except Exception as e:
+            g.fault("starting its draft step", e, req_id)
+            return Row(req_id, None, None)
+
+    def plan(self, step: Step, num_rows: int, fill: bool = False) -> Plan:
+        """Each row's draft at position ``step.pos``: a host draft (the chain runs first), a model draft under the
+        row's grammar (``fill``: its mask filled now, for sampled drafts; argmax drafts fill only the rows whose
+        argmax the grammar rejects, in ``lazy``), or nothing of ours (no grammar: the model drafts as the host's
+        own; past a request's drafts: padding, cut by ``cuts``)."""
+        j = step.pos
+        rows = step.rows
+        plan = Plan()
+        known: list[int] | None = [0] * num_rows
+        for i in range(min(num_rows, len(rows))):
+            r = rows[i]
+            if r is None:
+                continue
+            b = r.block
+            if b is None:
+                if r.st is None or not r.st.grammar:
+                    known = None  # no grammar (or a fault): the model drafts, as the host's own
+                continue
+            try:
+                r.chain(j)  # the host chain first: forced tokens, jump-forward strings, recipes
+                if len(b.tokens) > j:  # a host draft
+                    t = b.tokens[j]
+                    plan.host.append((i, t))
+                    if known is not None:
+                        known[i] = t
+                elif not b.done:
+                    if fill:
+                        row = b.mask()
+                        if not np.count_nonzero(row):  # nothing allowed (cannot happen for a live grammar)
+                            b.closed = True
+                            continue
+                        plan.masked.append((i, row))
+                    plan.model.append(i)
+                    known = None
+                # else: past the request's drafts (e.g. the grammar is complete): padding
+            except Exception as e:
+                self.table.fault("the grammar mask at a draft position", e, r.req_id)
+                r.block = None
+                known = None
+        plan.known = known
+        return plan
+
+    def lazy(self, plan: Plan, rows, toks: list[int], masked_argmax: Callable[[list], list[int]]) -> bool:
+        """Argmax drafts under the grammar without masking every row, on ``toks`` (the unmasked argmax of every row,
+        changed in place).  The unmasked argmax of a row whose grammar allows it is the masked argmax too (masking
+        only lowers other entries to -inf, and ``argmax`` takes the first maximum, which is then the first allowed
+        one), so each model row's argmax is offered to its block first: on a lazy block (``DraftBlock.lazy``) the
+        matcher's own ``accept`` checks and takes it, with no [V]-wide mask filled at all.  Only a row whose argmax
+        the grammar rejects has its mask filled and its masked argmax found (``masked_argmax(items)``, the host's,
+        items: (row, its packed mask)); a row with a host draft takes that token (the argmax of its one-hot mask).
+        Exact, token for token, against masking every row.  The model's tokens are pushed onto their blocks here
+        (``advance`` then only counts).  A row refused at its ``refused_drafts``-th position of the step drafts the
+        masked argmax there and its block closes; past that (limit 0) it closes before, with no mask filled and the
+        host's own token left in the row (``cuts`` cuts it).  Returns whether ``toks`` changed."""
+        vocab = self.vocab_size
+        changed = False
+        for i, t in plan.host:
+            if toks[i] != t:
+                toks[i] = t
+                changed = True
+        limit = self.refused_drafts
+        items = []  # the refused rows: (i, its mask)
+        ended = 0  # rows whose drafts end here (``refused_drafts``)
+        for i in plan.model:
+            t = toks[i]
+            r = rows[i]
+            try:  # the matcher's accept, and for a refused row its mask: a fault there is this request's alone
+                if t < vocab and r.block.push(t, None, "model"):
+                    continue
+                r.refused += 1
+                if limit is not None and r.refused > limit:  # (limit 0) its drafts end before this position: no
+                    r.block.closed = True  # mask; the row keeps the host's draft, cut by cuts
+                    ended += 1
+                    continue
+                items.append((i, r.block.mask()))
+            except Exception as e:  # no grammar drafts for it (its row keeps the host's draft, cut by cuts)
+                self.row_fault(r, e)
+        c = self.table.counters
+        c["draft_rows_unmasked"] += len(plan.model) - len(items) - ended
+        c["draft_rows_masked"] += len(items)
+        if items:
+            for (i, _), t in zip(items, masked_argmax(items)):
+                toks[i] = t
+                r = rows[i]
+                try:
+                    if not r.block.push(t, None, "model"):  # (nothing allowed there: cannot happen for a live
+                        r.block.closed = True  # grammar) no more drafts for it
+                    elif limit is not None and r.refused >= limit:  # the masked argmax is its last draft here
+                        r.block.closed = True
+                        ended += 1
+                except Exception as e:
+                    self.row_fault(r, e)
+            changed = True
+        c["draft_rows_ended"] += ended
+        return changed
+
+    def row_fault(self, r: Row, e: BaseException) -> None:
+        """A fault in one request's drafting at this position: that request gets no grammar drafts from here on
+        (``RequestTable.fault``); this step's drafts for it are cut by ``cuts``."""
+        self.table.fault("a draft position", e, r.req_id)
+        r.block = None
+
+    @staticmethod
+    def eager_rows(plan: Plan, bitmask: np.ndarray, num_rows: int) -> int:
+        """Every row's mask in the packed ``bitmask`` [B, V/32] (draws from the masked law need its probabilities):
+        a host draft's one-hot row, the grammar's row, else all ones.  Returns ``num_rows``."""
+        bitmask[:num_rows] = -1
+        for i, t in plan.host:
+            bitmask[i] = 0
+            set_bit(bitmask[i], t)
+        for i, row in plan.masked:
+            bitmask[i] = row
+        return num_rows
+
+    def advance(self, step: Step, tokens: list[int], conf: dict[int, float] | None = None) -> None:
+        """Push the model's draft of position ``step.pos`` onto each block that has no token there yet (a host
+        draft, or an argmax draft ``lazy`` pushed, has), and count the positions where the drafted token is the
+        block's.  ``conf``: row -> the draft model's probability of its token (``unsure``'s rows); a request whose
+        product of them at this step falls below ``confidence`` drafts nothing more at this step (that draft is
+        its last: ``draft_confidence``)."""
+        j = step.pos
+        low = self.confidence
+        ended = 0
+        for i, r in enumerate(step.rows):
+            b = r.block if r is not None else None
+            if b is None:
+                continue
+            t = int(tokens[i])
+            if len(b.tokens) == j and not b.done and not b.push(t, None, "model"):
+                b.closed = True  # outside the mask: cannot happen after masking
+            if r.real == j and len(b.tokens) > j and b.tokens[j] == t:
+                r.real += 1
+                if conf and i in conf and low is not None and b.sources[j] == "model" and not b.closed:
+                    r.reach *= conf[i]
+                    if r.reach < low:
+                        b.closed = True
+                        ended += 1
+        if ended:
+            self.table.counters["draft_rows_unlikely"] += ended
+
+    def unsure(self, step: Step, plan: Plan) -> list[int]:
+        """The rows whose draft-model probability ``draft_confidence`` needs at this position: model rows of sampled
+        requests (a greedy request's argmax draft is accepted or not by the target's argmax, not by chance) whose
+        drafts go on, before the last position (nothing follows it)."""
+        if self.confidence is None or step.pos >= step.k - 1:
+            return []
+        rows = step.rows
+        out = []
+        for i in plan.model:
+            r = rows[i]
+            if r.temperature >= GREEDY_T and r.block is not None and not r.block.closed:
+                out.append(i)
+        return out
+
+    @staticmethod
+    def needs_model(step: Step) -> bool:
+        """Whether any request needs a draft-model token at position ``step.pos`` or later: one without grammar
+        drafts (the host's own drafting), or one whose host chain stops before its block is done."""
+        p = step.pos
+        for r in step.rows:
+            if r is None:  # a row the host ignores (a partial prefill)
+                continue
+            b = r.block
+            if b is None:
+                if r.st is None or not r.st.grammar:
+                    return True
+                continue
+            r.chain(p)  # what plan does first at position p
+            if not b.done:
+                return True
+        return False
+
+    @staticmethod
+    def tails(step: Step) -> list[list[int]]:
+        """Each row's tokens for the positions the host's loop did not draw (from ``step.pos`` to k), when it
+        stopped early: each block's host drafts, then padding 0 (cut by ``cuts``); the rows' real drafts counted."""
+        done, k = step.pos, step.k
+        out = []
+        for r in step.rows:
+            b = r.block if r is not None else None
+            tail = []
+            for p in range(done, k):
+                t = b.tokens[p] if b is not None and p < len(b.tokens) else -1
+                if t >= 0 and r.real == p:
+                    r.real += 1
+                tail.append(max(t, 0))
+            out.append(tail)
+        return out
+
+    def cuts(self, step: Step, k: int, fits: Callable[[Row, int], int] | None = None) -> list[tuple[int, int]]:
+        """Count each request's drafts and say where each row's drafts end: (row, real drafts) for every row with
+        fewer than k (the host cuts what follows, e.g. with -1).  Rows without a grammar keep the model's drafts.
+        ``fits(row, real)``: how many of a row's real drafts the host lets through (its budget's rows)."""
+        g = self.table
+        cut = []
+        for i, r in enumerate(step.rows):
+            if r is None or r.st is None:
+                continue
+            if not r.st.grammar:  # no grammar: the model's drafts, as the host's own
+                g.record(r.st, r.req_id, [0] * k, ["model"] * k)
+                continue
+            real = r.real if r.block is not None else 0
+            b = r.block
+            if real and fits is not None and r.st.history is not None:
+                real = fits(r, real)
+            if b is None:
+                g.record(r.st, r.req_id, [], [])
+            else:
+                g.record(r.st, r.req_id, b.tokens[:real], b.sources[:real])
+            if real < k:
+                cut.append((i, real))
+        return cut
+
+    @staticmethod
+    def end(step: Step) -> None:
+        """No more grammar drafts at this step (a step-wide fault): every open block closes."""
+        for r in step.rows:
+            if r is not None and r.block is not None:
+                r.block.closed = True
+

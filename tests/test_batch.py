@@ -1,0 +1,132 @@
+"""The batch layer (``specgrammar_plugins.batch``) without any host: a ``RequestTable`` of a few requests over the toy
+tokenizer, one ``BatchDrafter`` step position by position, the host's argmax stood in for by lists.
+
+- the plan: host drafts (forced tokens) first; a row the host chain leaves open is a model row; a row without a
+  grammar makes the model draft (``known`` None); when every row's token is known the host skips its pass;
+- lazy masks: only a row whose argmax the grammar refuses reaches the host's ``masked_argmax``;
+- ``cuts`` counts each request's drafts and cuts what follows its real ones;
+- a fault in one request's drafting (its state, its host chain) ends that request's grammar drafts alone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specgrammar_plugins.api import (BatchDrafter, ConstraintSpec, HistoryMatcher, RequestState, RequestTable,
+                                     SpecOptions, Step, compile_constraint, make_drafter, mask_allows)
+
+K = 4
+
+
+class Table(RequestTable):
+    """A host's table: requests are dicts {"regex": ..., "prompt_len": ...} (no regex: no grammar)."""
+
+    def __init__(self, tok, engine="dfa"):
+        self.tok, self.engine = tok, engine
+        self.init_table(K, tok.vocab_size, 1024)
+
+    def new_state(self, req, req_id=None):
+        if req.get("boom"):
+            raise RuntimeError("a fault reading this request")
+        if "regex" not in req:
+            return RequestState(None, None, req["prompt_len"], (), grammar=False)
+        compiled = self.memo(("c", req["regex"]), lambda: compile_constraint(ConstraintSpec.regex(req["regex"]),
+                                                                             self.tok, engine=self.engine))
+        drafter = make_drafter(SpecOptions(k=K, drafters=("forced",)), self.tok)
+        return RequestState(HistoryMatcher(compiled), drafter, req["prompt_len"], self.tok.stop_token_ids)
+
+
+def _step(table, batch, reqs, prompt):
+    rows = []
+    for i, req in enumerate(reqs):
+        ctx = np.asarray(prompt, dtype=np.int64)
+        rows.append(batch.row(f"r{i}", req, 1, lambda ctx=ctx: ctx, K))
+    return Step(rows, K)
+
+
+def test_a_step_plans_host_drafts_first_then_masked_model_rows(toy_tok):
+    table = Table(toy_tok)
+    batch = BatchDrafter(table, toy_tok.vocab_size, refused_drafts=None, confidence=None)
+    prompt = [5, 6]
+    reqs = [{"regex": "hello[a-z]+", "prompt_len": 2}, {"regex": "[a-z]+", "prompt_len": 2},
+            {"prompt_len": 2}]
+    step = _step(table, batch, reqs, prompt)
+    assert [r.st.grammar for r in step.rows] == [True, True, False]
+    plan = batch.plan(step, 3)
+    hello = toy_tok.encode("hello")
+    assert plan.host and plan.host[0] == (0, hello[0])  # the forced prefix, from the host chain
+    assert plan.model == [1] and plan.known is None  # the open row drafts by the model; the row without a grammar too
+    # lazy: the model row's argmax is refused (a digit) -> only that row is masked, by the host's masked argmax
+    digit = toy_tok.encode("7")[0]
+    toks = [0, digit, 9]
+    asked = []
+
+    def masked_argmax(items):
+        asked.append([i for i, _ in items])
+        return [int(np.flatnonzero([mask_allows(row, t) for t in range(toy_tok.vocab_size)])[0]) for _, row in items]
+
+    assert batch.lazy(plan, step.rows, toks, masked_argmax)
+    assert asked == [[1]] and toks[0] == hello[0] and toks[2] == 9
+    assert table.counters["draft_rows_masked"] == 1 and step.rows[1].refused == 1
+    batch.advance(step, toks)
+    step.pos += 1
+    assert [r.real for r in step.rows] == [1, 1, 0]
+    # the row without a grammar keeps the model drafting: a later position needs it
+    assert batch.needs_model(step)
+    cut = batch.cuts(step, K)
+    assert (0, 1) in cut and (1, 1) in cut and all(i != 2 for i, _ in cut)  # no grammar: the model's k drafts
+    assert table.last_drafted == {"r0": 1, "r1": 1, "r2": K}
+
+
+def test_every_row_known_means_no_model_pass(toy_tok):
+    table = Table(toy_tok)
+    batch = BatchDrafter(table, toy_tok.vocab_size)
+    step = _step(table, batch, [{"regex": "hellohello", "prompt_len": 1}] * 2, [3])
+    plan = batch.plan(step, 2)
+    assert plan.known is not None and not plan.model and len(plan.host) == 2
+    batch.advance(step, plan.known)
+    step.pos += 1
+    assert not batch.needs_model(step)  # the whole string is forced: the host chain drafts all k positions
+    assert batch.tails(step) == [step.rows[0].block.tokens[1:K]] * 2 and step.rows[0].real == K
+
+
+def test_a_fault_stays_with_its_request(toy_tok):
+    table = Table(toy_tok)
+    batch = BatchDrafter(table, toy_tok.vocab_size)
+    reqs = [{"regex": "hello[a-z]+", "prompt_len": 1}, {"boom": True, "prompt_len": 1},
+            {"regex": "hello[a-z]+", "prompt_len": 1}]
+    step = _step(table, batch, reqs, [3])
+    assert step.rows[1].st is None and step.rows[1].block is None  # its state: drafts as the host's own
+    assert table.counters["proposer_errors"] == 1
+
+    class Broken:
+        def extend(self, block, budget):
+            raise ValueError("a fault in this request's host chain")
+
+    step.rows[2].st.drafter = Broken()
+    plan = batch.plan(step, 3)
+    assert [i for i, _ in plan.host] == [0] and step.rows[2].block is None
+    assert table.counters["proposer_errors"] == 2 and table._states["r2"].history is None
+    assert table._states["r0"].history is not None  # the others go on
+
+
+def test_request_state_follows_the_live_requests(toy_tok):
+    table = Table(toy_tok)
+    batch = BatchDrafter(table, toy_tok.vocab_size)
+    _step(table, batch, [{"regex": "[a-z]+", "prompt_len": 1}] * 3, [3])
+    assert table.num_live_requests == 3 and table.counters["requests_seen"] == 3
+    assert len(table._memos) == 1  # one constraint, compiled once
+    table.prune({"r1"})
+    assert list(table._states) == ["r1"]
+
+
+@pytest.mark.parametrize("accepted, pending, want", [(3, 2, 2), (1, 2, 0), (2, 0, None)])
+def test_observe_counts_the_outcome_of_the_last_drafts(toy_tok, accepted, pending, want):
+    table = Table(toy_tok)
+    st = table.state("r", {"regex": "[a-z]+", "prompt_len": 0})
+    st.pending = pending
+    table.observe(st, accepted)
+    assert st.pending == 0
+    assert table.counters["accepted_tokens"] == (want or 0)
+    assert table.counters["verified_rounds"] == (0 if want is None else 1)
