@@ -44,7 +44,8 @@ from pathlib import Path
 import pluggy
 
 from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, Host, RequestError, SpecOptions,
-                                     check_budget, check_request, registered_drafters, resolve_pack_name)
+                                     check_budget, check_request, prepare_deadline, registered_drafters,
+                                     resolve_pack_name)
 
 hookimpl = pluggy.HookimplMarker("mlx_lm.server")
 log = logging.getLogger("specgrammar.mlx_lm")
@@ -220,9 +221,17 @@ def _host(model_provider) -> Host:
 
 @hookimpl
 def request_fields(body, model_provider):
+    host = _host(model_provider)  # (waits for the model at start-up: not part of this request's preparation)
+    # the request's preparation (gate check, compile, budget check) runs under one deadline
+    # (SPECGRAMMAR_PREPARE_TIMEOUT_S): an overrun is a ConstraintError, answered 400
+    with prepare_deadline():
+        return _prepare(body, host, model_provider)
+
+
+def _prepare(body, host, model_provider):
     # the gate: every field checked before any work (RequestError / ConstraintError are ValueErrors: the server
     # answers their status, 400 or 404)
-    checked = check_request(body, _host(model_provider))
+    checked = check_request(body, host)
     if not checked.max_tokens_given and checked.max_tokens is not None:
         body["max_tokens"] = checked.max_tokens  # the server's default, cut to what the context leaves
     spec, options = checked.spec, checked.options
