@@ -54,6 +54,7 @@ from specgrammar_plugins.api import (BudgetError, ConstraintError, DraftBlock, H
                                      SpecOptions, check_budget, compile_constraint, fill, make_drafter,
                                      resolve_pack_name)
 
+from .draws import RequestDraws
 from .structured import ENGINES, engine_options, params_key, spec_from_params
 
 log = logging.getLogger("vllm.specgrammar")
@@ -89,16 +90,17 @@ def instances() -> list["GrammarStates"]:
 
 
 class _RequestState:
-    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "grammar")
+    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "grammar", "draws")
 
     def __init__(self, history: HistoryMatcher | None, drafter, prompt_len: int, stop_ids: tuple[int, ...],
-                 grammar: bool = True):
+                 grammar: bool = True, draws: RequestDraws | None = None):
         self.history = history  # None: no grammar drafts (no constraint, or it cannot be followed)
         self.drafter = drafter  # the host chain (forced, recipe), or None
         self.prompt_len = prompt_len
         self.stop_ids = stop_ids
         self.pending = 0  # drafts proposed at the last step, outcome not yet seen
         self.grammar = grammar  # the request has structured outputs (False: unconstrained)
+        self.draws = draws  # its drafters' random draws, restarted at each step (draws.py): the same on every rank
 
 
 class GrammarStates:
@@ -116,8 +118,7 @@ class GrammarStates:
         if self.options.get("draft_model"):
             raise ValueError(MOVED_DRAFT_MODEL)
         self.drafter_names = tuple(self.options.get("drafters", DEFAULT_DRAFTERS))
-        self.seed = getattr(vllm_config.model_config, "seed", None)
-        self._rng = np.random.default_rng(self.seed)
+        self.seed = getattr(vllm_config.model_config, "seed", None)  # the engine's: draws.py keys draws by it
         engine, eng_opts = engine_options(vllm_config)
         self.engine = self.options.get("engine", engine)
         self.engine_options = {**eng_opts, **dict(self.options.get("engine_options", {}) or {})}
@@ -196,6 +197,7 @@ class GrammarStates:
         # fills the positions the host chain leaves), so "model" here has no runner and drops out of the chain
         names = tuple(options.get("drafters", self.drafter_names))
         params = core_params(sp)
+        draws = self._request_draws(sp, req_id)
         self._check_budget(compiled, getattr(sp, "max_tokens", None), req_id)
 
         def chain(names):
@@ -204,7 +206,7 @@ class GrammarStates:
                 # recipes_dir option's folder, then the shipped packs (RecipePackError: served without it below)
                 recipe = str(resolve_pack_name(req_opts["recipe"], self.options.get("recipes_dir")))
             return make_drafter(SpecOptions(k=self.k, drafters=names, recipe=recipe, extra=options),
-                                self._tokinfo, params=params, rng=self._rng, target_vocab_size=self.vocab_size)
+                                self._tokinfo, params=params, rng=draws.rng, target_vocab_size=self.vocab_size)
 
         try:
             drafter = chain(names)
@@ -213,7 +215,12 @@ class GrammarStates:
             log.warning("specgrammar: drafters unavailable for a request (%s: %s); using %s", type(e).__name__, e,
                         list(names))
             drafter = chain(names)
-        return _RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
+        return _RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids, draws=draws)
+
+    def _request_draws(self, sp, req_id: str | None) -> RequestDraws:
+        """A request's random draws, keyed by its own seed, else the engine's and its id (draws.py): never by this
+        process's state, so every rank (tensor, pipeline, data parallel) draws the same drafts for it."""
+        return RequestDraws(getattr(sp, "seed", None), self.seed, req_id)
 
     def _memo(self, key, make):
         """``make()``, once per ``key`` (None: every time) among the last ``MEMO_SIZE`` keys.  For a request's spec
@@ -289,6 +296,8 @@ class GrammarStates:
         budget = min(self.k if k is None else k, self.max_model_len - n)
         if budget <= 0:
             return None
+        if st.draws is not None:  # this step's draws: a function of the request and the position only
+            st.draws.at(n)
         # the history's own matcher, not a fork (O(tokens so far) on xgrammar): the next sync rolls back the drafts
         # vLLM did not commit; lazy: a position's mask is filled only where something reads it
         return DraftBlock(context[:n], st.history.draft(), self.vocab_size, budget, st.stop_ids, lazy=True)
