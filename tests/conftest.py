@@ -119,6 +119,7 @@ SLOW_TESTS = {
     "test_llama_cpp_adapter.py": {"test_greedy_equals_stock_every_k", "test_recipe_pack_drafts_without_a_draft_model"},
     "test_loop.py": {"test_loop_law_matches_plain_constrained_sampling"},
     "test_mlx_law.py": {"test_tokens_per_target_pass_vs_mlx_speculative"},
+    "test_mlx_server_batch.py": {"test_batched_requests_over_http_one_fault_fails_only_its_request"},  # a server
     "test_models.py": {"test_build_is_deterministic"},
     "test_packaging.py": {"test_the_wheel_holds_the_data"},
     "test_schema_keywords.py": {"test_instances_violating_only_one_keyword_are_rejected"},

@@ -10,16 +10,21 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
   ``budget``, which our loop applies, and ``budget_mask``).  The constraint is compiled right away, so an invalid
   schema / regex / grammar is answered with HTTP 400 and the engine's reason; the server keeps serving.  So is a
   request whose constraint cannot end within its ``max_tokens`` (budget feasibility, on by default: HTTP 400
-  naming the shortest length).  Where the bound is exact (regex, choice, ...) it is part of the batching path's
-  processor row; a certified bound (JSON Schema on xgrammar / llguidance) re-draws, so such a request is served
-  by our loop (``is_batchable`` False), as one with a ``specgrammar`` object is.
-- without a draft model, a constrained request stays on mlx-lm's batching path with the history-keyed grammar
-  logits processor (``logits_processors``); a request that sends a ``specgrammar`` object is served by our loop
-  instead (forced-token drafting).
+  naming the shortest length).  Preparation (gate check, compile, budget check) runs under the request's one
+  deadline (``prepare_deadline``).
+- without a draft model, a constrained request stays on mlx-lm's batching path (``BatchGenerator``): each row
+  gets its own history-keyed grammar logits processor (``logits_processors``) with its budget in the row, the exact
+  bound (regex, choice, ...) as it is, a certified bound (JSON Schema on xgrammar / llguidance) as a mask row
+  (``_RowCut``: ``Budget.mask_row``, as on vLLM; mlx-lm's sampler cannot draw again).  The patch runs each
+  batched request's processors guarded: a fault in one fails that request (HTTP 500), the batch goes on.  A
+  request whose ``specgrammar`` object asks for drafting (``k`` not 0) or for the cost-aware options is served by
+  our loop instead (``is_batchable`` False; forced-token, recipe, ... drafting), one at a time.
 - with ``--draft-model`` every sequential request runs the core ``SpeculativeLoop`` (``stream_generate``):
   grammar-aware drafts, exact accept/residual verification, both caches left holding exactly prompt + yielded
   tokens.  This also routes around mlx-lm 0.32.2's prompt-cache off-by-one with a draft model (the stock loop
   leaves the target cache one token short of the key it is stored under; the patch fixes the stock path too).
+  mlx-lm turns batching off when a draft model is loaded (``is_batchable = draft_model is None``, mlx-lm 0.32.2),
+  so these requests are served one at a time (batched speculative decoding is not built yet).
 - compiles past ``SPECGRAMMAR_COMPILE_TIMEOUT_S`` are killed, not left running: the server sets
   ``compile_isolation="process"`` (``compile_worker``) unless ``SPECGRAMMAR_COMPILE_ISOLATION`` says otherwise.
 - every request goes through the core's gate first (``check_request``): numbers finite and in range, unknown
@@ -44,7 +49,8 @@ from pathlib import Path
 import pluggy
 
 from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, Host, RequestError, SpecOptions,
-                                     check_budget, check_request, registered_drafters, resolve_pack_name)
+                                     check_budget, check_request, prepare_deadline, registered_drafters,
+                                     resolve_pack_name)
 
 hookimpl = pluggy.HookimplMarker("mlx_lm.server")
 log = logging.getLogger("specgrammar.mlx_lm")
@@ -59,7 +65,20 @@ class RequestPlan:
     spec: object  # ConstraintSpec | None
     options: SpecOptions
     explicit: bool  # the request sent a ``specgrammar`` object
-    certified: bool = False  # its budget bound is certified (checked at commit): our loop serves it
+    certified: bool = False  # its budget bound is certified (without our loop: a mask row, ``_RowCut``)
+
+    @property
+    def loop(self) -> bool:
+        """Whether the request needs our loop even without a draft model: it sent a ``specgrammar`` object asking
+        for drafting (``k`` not 0: forced tokens, recipes, ...) or for what only our loop does (the cost-aware
+        ``lambda`` / ``adaptive`` / ``budget``, a deferred ``trigger``).  Every other request (a constraint, with
+        its budget, and ``k: 0``, ``engine``, ``budget_mask``) is served by mlx-lm's own loops, batched, with the
+        grammar logits processor."""
+        o = self.options
+        if not self.explicit:
+            return False
+        return (o.k != 0 or o.lam is not None or o.adaptive or o.budget is not None or o.trigger is not None
+                or (self.spec is not None and getattr(self.spec, "trigger", None) is not None))
 
 
 # ---------------------------------------------------------------------------------------------- start-up
@@ -220,9 +239,17 @@ def _host(model_provider) -> Host:
 
 @hookimpl
 def request_fields(body, model_provider):
+    host = _host(model_provider)  # (waits for the model at start-up: not part of this request's preparation)
+    # the request's preparation (gate check, compile, budget check) runs under one deadline
+    # (SPECGRAMMAR_PREPARE_TIMEOUT_S): an overrun is a ConstraintError, answered 400
+    with prepare_deadline():
+        return _prepare(body, host, model_provider)
+
+
+def _prepare(body, host, model_provider):
     # the gate: every field checked before any work (RequestError / ConstraintError are ValueErrors: the server
     # answers their status, 400 or 404)
-    checked = check_request(body, _host(model_provider))
+    checked = check_request(body, host)
     if not checked.max_tokens_given and checked.max_tokens is not None:
         body["max_tokens"] = checked.max_tokens  # the server's default, cut to what the context leaves
     spec, options = checked.spec, checked.options
@@ -262,9 +289,23 @@ def _plan(args) -> RequestPlan | None:
 @hookimpl
 def is_batchable(args, model_provider):
     plan = _plan(args)
-    if plan is not None and (plan.explicit or plan.certified):
-        return False  # the request asked for our loop, or its budget bound re-draws (our loop)
-    return None
+    if plan is not None and plan.loop:
+        return False  # the request asked for our loop (drafting, cost-aware options)
+    return None  # mlx-lm's batching path (without --draft-model), each row with its own processor
+
+
+class _RowCut:
+    """A certified budget applied as a mask row (``Budget.mask_row``), for mlx-lm's own loops, whose sampler cannot
+    draw again: far from the budget the row is left as it is; in the tight zone only tokens with a certified
+    completion within the tokens left stay.  The row is a function of the history, so the batched and the
+    sequential loop see the same row (what vLLM's structured-output bitmask gets, ``specgrammar_vllm.budget_mask``);
+    our loop (``stream_generate``) instead re-draws a token that does not fit (``Budget.draw``)."""
+
+    def __init__(self, budget):
+        self.budget = budget
+
+    def restrict(self, row, generated) -> bool:
+        return self.budget.mask_row(row, generated)
 
 
 @hookimpl
@@ -276,10 +317,12 @@ def logits_processors(args, tokenizer, model):
 
     try:
         compiled = _compile(plan.spec, plan.options, model, tokenizer)
-        fit = check_budget(compiled, plan.options, getattr(args, "max_tokens", None), exact_only=True)
+        fit = check_budget(compiled, plan.options, getattr(args, "max_tokens", None))
     except (ConstraintError, ValueError) as e:  # never let a bad request kill the generation thread
         log.error("specgrammar: constraint failed at generation time: %s", e)
         return [stop_only_processor(tokenizer.eos_token_ids, str(e))]
+    if fit is not None and fit.settles:
+        fit = _RowCut(fit)  # certified: a row (our loop, when it serves the request, re-draws instead)
     return [GrammarLogitsProcessor(compiled, fit=fit)]
 
 
@@ -292,7 +335,7 @@ def stream_generate(model, tokenizer, draft_model, prompt, prompt_cache, context
     from .processor import GrammarLogitsProcessor
 
     plan = _plan(args)
-    if draft_model is None and (plan is None or not (plan.explicit or plan.certified)):
+    if draft_model is None and (plan is None or not plan.loop):
         return None  # no draft model and no request for our loop: mlx-lm's own path (processor applies the mask)
     others = [p for p in (logits_processors or []) if not isinstance(p, GrammarLogitsProcessor)]
     if (others or getattr(args.sampling, "xtc_probability", 0.0) > 0.0 or generation_kwargs.get("kv_bits") is not None

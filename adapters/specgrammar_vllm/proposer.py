@@ -54,6 +54,7 @@ from specgrammar_plugins.api import (BudgetError, ConstraintError, HistoryMatche
                                      SamplingParams, SpecOptions, check_budget, compile_constraint, fill,
                                      make_drafter, resolve_pack_name)
 
+from .draws import RequestDraws
 from .structured import ENGINES, engine_options, params_key, spec_from_params
 
 log = logging.getLogger("vllm.specgrammar")
@@ -98,8 +99,7 @@ class GrammarStates(RequestTable):
         if self.options.get("draft_model"):
             raise ValueError(MOVED_DRAFT_MODEL)
         self.drafter_names = tuple(self.options.get("drafters", DEFAULT_DRAFTERS))
-        self.seed = getattr(vllm_config.model_config, "seed", None)
-        self._rng = np.random.default_rng(self.seed)
+        self.seed = getattr(vllm_config.model_config, "seed", None)  # the engine's: draws.py keys draws by it
         engine, eng_opts = engine_options(vllm_config)
         self.engine = self.options.get("engine", engine)
         self.engine_options = {**eng_opts, **dict(self.options.get("engine_options", {}) or {})}
@@ -162,6 +162,7 @@ class GrammarStates(RequestTable):
         # fills the positions the host chain leaves), so "model" here has no runner and drops out of the chain
         names = tuple(options.get("drafters", self.drafter_names))
         params = core_params(sp)
+        draws = self._request_draws(sp, req_id)
         self._check_budget(compiled, getattr(sp, "max_tokens", None), req_id)
 
         def chain(names):
@@ -170,7 +171,7 @@ class GrammarStates(RequestTable):
                 # recipes_dir option's folder, then the shipped packs (RecipePackError: served without it below)
                 recipe = str(resolve_pack_name(req_opts["recipe"], self.options.get("recipes_dir")))
             return make_drafter(SpecOptions(k=self.k, drafters=names, recipe=recipe, extra=options),
-                                self._tokinfo, params=params, rng=self._rng, target_vocab_size=self.vocab_size)
+                                self._tokinfo, params=params, rng=draws.rng, target_vocab_size=self.vocab_size)
 
         try:
             drafter = chain(names)
@@ -179,7 +180,12 @@ class GrammarStates(RequestTable):
             log.warning("specgrammar: drafters unavailable for a request (%s: %s); using %s", type(e).__name__, e,
                         list(names))
             drafter = chain(names)
-        return RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids)
+        return RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids, draws=draws)
+
+    def _request_draws(self, sp, req_id: str | None) -> RequestDraws:
+        """A request's random draws, keyed by its own seed, else the engine's and its id (draws.py): never by this
+        process's state, so every rank (tensor, pipeline, data parallel) draws the same drafts for it."""
+        return RequestDraws(getattr(sp, "seed", None), self.seed, req_id)
 
     def _check_budget(self, compiled, max_tokens, req_id: str | None = None) -> None:
         """The drafting side of budget feasibility: vLLM's own sampler draws the target's tokens, so a request whose

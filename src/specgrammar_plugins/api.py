@@ -13,6 +13,7 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
 - the law and the verifier: ``SamplingParams``, ``GREEDY``, ``log_law``, ``verify_block`` (the reference), and
   ``law_backend(name)``: the same law and verifier where the logits live (``numpy``, ``mlx``, ``torch``);
 - the gate every host runs on a request first: ``check_request`` with the host's ``Host`` -> ``Checked``;
+  ``prepare_deadline()``: the one preparation deadline of a request (gate check, compile, budget) on this thread;
 - ``resolve_model``: a model by name (``smollm2-135m``, ``tiny``, ...) or path -> what a host loads (a GGUF for
   ``llama_cpp``, a transformers folder for ``mlx_lm`` / ``vllm``; ``models.real``), ``is_model_name``,
   ``ModelNotInstalled``, ``UnknownModelError``;
@@ -32,6 +33,7 @@ from __future__ import annotations
 from .batch import (COUNTERS as BATCH_COUNTERS, DRAFT_CONFIDENCE, GREEDY_T, REFUSED_DRAFTS, BatchDrafter, EnoughDrafts,
                     Plan, RequestState, RequestTable, Row, Step, draft_confidence_option, refused_drafts_option)
 from .block import DraftBlock, Drafter, HiddenStatesRunner, ModelRunner, fill
+from .bounds import prepare_deadline
 from .compile_worker import POOL as COMPILE_POOL
 from .compiler import LIMITS, compile_constraint
 from .constraint import CompiledConstraint, ConstraintSpec, Forced, Matcher
@@ -63,7 +65,7 @@ __all__ = [
     "SpecGrammarError", "SpecOptions", "SpeculativeLoop", "Stats", "StopOnlyMask", "TokenizerInfo",
     "TokenizerMismatchError", "UnknownModelError", "Verdict", "budget_of", "check_budget", "check_request", "common_prefix_len", "compile_constraint", "fill",
     "allowed_ids", "is_model_name", "law_backend", "log_law", "make_drafter", "make_loop", "mask_allows", "mask_words", "new_mask",
-    "parse_request", "patch_path", "registered_drafters", "resolve_model", "resolve_pack", "resolve_pack_name", "set_bit",
+    "parse_request", "patch_path", "prepare_deadline", "registered_drafters", "resolve_model", "resolve_pack", "resolve_pack_name", "set_bit",
     "sync_runner", "unpack_mask", "verify_block",
     "with_defaults",
 ]

@@ -81,16 +81,19 @@ def draft_confidence_option(opts: dict) -> float | None:
 
 # ---------------------------------------------------------------------------------------------- per request
 class RequestState:
-    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "grammar")
+    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "grammar", "draws")
 
     def __init__(self, history: HistoryMatcher | None, drafter, prompt_len: int, stop_ids: tuple[int, ...],
-                 grammar: bool = True):
+                 grammar: bool = True, draws=None):
         self.history = history  # None: no grammar drafts (no constraint, or it cannot be followed)
         self.drafter = drafter  # the host chain (forced, recipe), or None
         self.prompt_len = prompt_len
         self.stop_ids = stop_ids
         self.pending = 0  # drafts proposed at the last step, outcome not yet seen
         self.grammar = grammar  # the request has a constraint (False: unconstrained)
+        # its drafters' random draws (the host's: ``at(position)`` restarts them at each step, so that they are a
+        # function of the request and the position only, the same on every rank), or None
+        self.draws = draws
 
 
 class RequestTable:
@@ -168,6 +171,8 @@ class RequestTable:
         budget = min(self.k if k is None else k, self.max_model_len - n)
         if budget <= 0:
             return None
+        if st.draws is not None:  # this step's draws: a function of the request and the position only
+            st.draws.at(n)
         # the history's own matcher, not a fork (O(tokens so far) on xgrammar): the next sync rolls back the drafts
         # the host did not commit; lazy: a position's mask is filled only where something reads it
         return DraftBlock(context[:n], st.history.draft(), self.vocab_size, budget, st.stop_ids, lazy=True)

