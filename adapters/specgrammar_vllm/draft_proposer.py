@@ -62,6 +62,7 @@ from specgrammar_plugins.api import allowed_ids, fill, mask_allows, mask_words, 
 
 from .budget_mask import fitting_drafts
 from .proposer import GrammarStates
+from .startup import RecipePackStartupError
 
 log = logging.getLogger("vllm.specgrammar")
 # On a CPU, rows this wide or narrower are masked by the kernel and others by their allowed ids (_masked_argmax):
@@ -190,6 +191,8 @@ class GrammarDraftProposer(DraftModelProposer):
                 self._refused_drafts = refused_drafts_option(grammar.options)
                 self._confidence = draft_confidence_option(grammar.options)
                 self.grammar = grammar
+            except RecipePackStartupError:  # a pack this rank cannot load: start-up fails (startup.py)
+                raise
             except Exception as e:  # an unsupported version or a bad option: vLLM's own proposer, said loudly
                 reason = f"{type(e).__name__}: {e}"
         if self.grammar is None:
