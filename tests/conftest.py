@@ -140,6 +140,7 @@ SLOW_TESTS = {
         "test_refused_drafts_option_reaches_the_proposer_through_vllms_config",
         "test_draft_confidence_option_reaches_the_proposer_through_vllms_config"},
     "test_vllm_ranks.py": {"test_tensor_parallel_2_greedy_equals_plain",  # a two-worker engine, 2-5 min here
+                           "test_tensor_parallel_2_sampled_drafts_keep_the_law",  # the same engine
                            "test_the_engine_does_not_start_without_its_recipe_pack"},  # two engines start (and stop)
 }
 
