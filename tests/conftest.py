@@ -102,6 +102,7 @@ SLOW_FILES = {
     "test_concurrency.py",  # 32 concurrent requests against mlx-lm and vLLM servers
     "test_vllm_serve.py",  # our vLLM launcher, and the README's quick start as written
     "test_hostile.py", "test_hostile_host.py",  # hostile-input probes against both servers
+    "test_hostile_vllm.py",  # issue 33's hostile bodies against the vLLM launcher (one server, ~3.5 min under load)
     "test_mlx_server.py",  # the patched mlx_lm.server, two servers
     "test_vllm_budget.py",  # a plain and a speculative vLLM engine
     "test_real_model.py", "test_real_drafting.py", "test_real_draft.py",  # SmolLM2-135M through every host
