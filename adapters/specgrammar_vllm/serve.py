@@ -137,9 +137,19 @@ def gate_body(raw: bytes) -> bytes | None:
     ``specgrammar`` object goes to the proposer as ``vllm_xargs.specgrammar``."""
     from specgrammar_plugins.api import prepare_deadline
 
-    WARM.wait(WARM_S)  # the process's one-time set-up is not a request's preparation (see warm_up)
-    with prepare_deadline():  # one deadline over the whole preparation (SPECGRAMMAR_PREPARE_TIMEOUT_S, 5 s)
-        return _gate_body(raw)
+    with prepare_deadline() as deadline:  # one deadline over the whole preparation (SPECGRAMMAR_PREPARE_TIMEOUT_S)
+        return _gate_body(raw, deadline)
+
+
+def _warm(deadline) -> None:
+    """Wait for the gate's warm-up, outside the request's deadline (the process's one-time set-up is not a
+    request's preparation); only constrained requests wait (nothing else compiles)."""
+    if not WARM.is_set():
+        import time
+
+        t0 = time.monotonic()
+        WARM.wait(WARM_S)
+        deadline.end += time.monotonic() - t0
 
 
 WARM = threading.Event()
@@ -171,7 +181,7 @@ def warm_up() -> None:
         WARM.set()
 
 
-def _gate_body(raw: bytes) -> bytes | None:
+def _gate_body(raw: bytes, deadline) -> bytes | None:
     from specgrammar_plugins.api import SpecGrammarError, check_request, resolve_pack_name
 
     try:
@@ -197,7 +207,12 @@ def _gate_body(raw: bytes) -> bytes | None:
         if checked.options.recipe:  # a pack name the proposer will find (RecipePackError: 400 naming the packs)
             resolve_pack_name(checked.options.recipe, os.environ.get(RECIPES_ENV) or None)
         if checked.spec is not None:
-            so, vspec = enforced_form(body, checked.spec)  # strict compile of what vLLM enforces (400 naming why)
+            _warm(deadline)
+            try:
+                so, vspec = enforced_form(body, checked.spec)  # strict compile of what vLLM enforces (400 naming why)
+            except (TypeError, AttributeError, KeyError) as e:  # a shape vLLM's reader would fail on: ours is a 400
+                raise Refused(400, f"the constraint cannot be read as vLLM reads it: {str(e)[:200]}",
+                              "structured_outputs") from None
             if so is not None:
                 for name in ("response_format", "regex", "grammar", "grammar_syntax", "json_schema", "choice",
                              "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
