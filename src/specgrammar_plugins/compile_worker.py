@@ -8,9 +8,9 @@ their ``isolate`` attribute is True) compile in a worker process instead:
 - workers are plain ``python -m specgrammar_plugins.compile_worker`` processes (no re-import of the host's
   ``__main__``, safe from threaded servers), started on first use and kept warm, at most
   ``SPECGRAMMAR_COMPILE_WORKERS`` (default 2) at a time; a worker's start-up (importing xgrammar takes seconds:
-  it imports torch) is not timed, but a compile's limit runs from its call: waiting for a free worker, sending
-  it the tokenizer and loading the engine count (a worker started in the background by ``prestart`` loads every
-  tokenizer and engine the pool has used, so a replacement is ready);
+  it imports torch), sending it a tokenizer and loading an engine are not timed, but a compile's limit runs from
+  its call: waiting for a free worker counts (a worker started in the background by ``prestart`` loads every
+  tokenizer and engine the pool has used, so a replacement is ready when a compile gets it);
 - a job that outlives the limit gets its worker SIGKILLed (the compile stops at once, its memory is returned) and
   the caller a ``ConstraintError``; a fresh worker is started at once in the background (``prestart``), not by
   the next compile: its start (seconds; 20-40 s on the 2-core machine under load) would be counted against that
@@ -215,7 +215,7 @@ class WorkerPool:
         """Compile ``spec`` with ``eng`` in a worker within ``timeout`` seconds (see the module docstring)."""
         import time
 
-        end = time.monotonic() + timeout  # the wait for a worker and its set-up count: never past the limit
+        end = time.monotonic() + timeout  # the wait for a worker counts: never past the limit
         w = self._acquire(timeout)
         if w is None:
             raise ConstraintError(f"compiling took longer than {timeout:g} s (the compile time limit): no compile "
@@ -224,6 +224,7 @@ class WorkerPool:
         keep = False
         try:
             key = (tokenizer.fingerprint, tokenizer.vocab_size)
+            t_setup = time.monotonic()
             if key not in w.toks:
                 self._seen.setdefault(key, dataclasses.replace(tokenizer, encode=None))
                 if w.call(("tok", key, self._seen[key]), STARTUP_S) is None:
@@ -234,6 +235,7 @@ class WorkerPool:
                     raise ConstraintError("the compile worker did not load the engine", engine=eng.name)
                 w.toks.add((eng.name, key))
                 self._preps.add((eng.name, key))
+            end += time.monotonic() - t_setup  # a first tokenizer upload and engine load are not the compile's
             reply = w.call(("compile", eng.name, spec, key, options), max(0.0, end - time.monotonic()))
             if reply is None:
                 self.killed += 1
