@@ -28,8 +28,24 @@ DEADLINE_S = 5.0  # bounds.BOUNDS.prepare_timeout_s (SPECGRAMMAR_PREPARE_TIMEOUT
 ANSWER_S = DEADLINE_S + 1.0
 HEALTH_S = 1.0
 WEDGED_S = 60.0  # no answer by then: wedged
+RSS_SLACK_MB = 200  # issue 33: the server's memory comes back within this of its baseline
 TALLY: dict[str, int] = {}
 HEALTH_MAX: list[float] = []
+RSS: dict[str, float] = {}
+
+
+def server_rss_mb(pid: int, name: str) -> float:
+    """The RSS of the launcher and its processes (vLLM's EngineCore), without the compile workers (at most
+    ``SPECGRAMMAR_COMPILE_WORKERS``, each killed and replaced on a deadline: their memory goes with them); each
+    process's is kept in ``RSS`` under ``name``."""
+    import psutil
+
+    root = psutil.Process(pid)
+    procs = [root] + [p for p in root.children(recursive=True)
+                      if "specgrammar_plugins.compile_worker" not in " ".join(p.cmdline())]
+    for i, p in enumerate(procs):
+        RSS[f"{name}:{'api server' if i == 0 else p.pid}"] = p.memory_info().rss / 2**20
+    return sum(p.memory_info().rss for p in procs) / 2**20
 
 
 def doubling(n: int) -> str:
@@ -180,13 +196,14 @@ def vllm(tmp_path_factory):
     # constrained request waits for it, before the clock of any probe starts
     warm = probe.send(probe.chat(structured_outputs={"regex": "[0-9]{4}"}), timeout=300)
     assert warm.status == 200, (warm.status, warm.body)
+    RSS["baseline"] = server_rss_mb(launched.pid, "baseline")
     try:
         yield probe
     finally:
         launched.stop()
         print(f"\nhostile vLLM probe: {sum(TALLY.values())} bodies: {json.dumps(TALLY)}; slowest health check "
               f"while one was prepared: {max(HEALTH_MAX, default=0):.2f} s; requests sent: "
-              f"{sum(probe.sent.values())}")
+              f"{sum(probe.sent.values())}; RSS MB: {json.dumps({k: round(v) for k, v in RSS.items()})}")
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -200,6 +217,15 @@ def test_a_hostile_body_is_a_clear_4xx_in_time(vllm, case):
     assert isinstance(r.body, dict) and re.search(reason, r.message), (reason, r.message)
     assert r.seconds < ANSWER_S, f"answered in {r.seconds:.2f} s"
     vllm.after(slowest)
+
+
+def test_the_memory_comes_back(vllm):
+    """After every refused body above (run before it, in file order), the server's RSS is within 200 MB of its
+    baseline (taken after the first constrained request).  Measured before the valid costly ones below: a
+    20,000-option choice or ``(a|b)*a(a|b){25}`` served in time leaves its compiled grammars in the engine's caches
+    (+870 MB seen in one run; docs/HARDENING.md)."""
+    RSS["after"] = server_rss_mb(vllm.launched.pid, "after")
+    assert RSS["after"] < RSS["baseline"] + RSS_SLACK_MB, RSS
 
 
 @pytest.mark.parametrize("case", list(SERVED))
@@ -227,3 +253,4 @@ def test_an_oversize_body_is_a_413_before_it_is_read(vllm):
     tally(r, ok, True)
     assert ok, (r.status, r.body, r.seconds)
     vllm.after(0.0)
+
