@@ -94,7 +94,11 @@ def main(argv=None) -> int:
                     return "cut off", item["name"], text[-80:]
                 return ("complete and valid" if item["valid"](text) else "invalid"), item["name"], text[-80:]
             if 400 <= status < 500:
-                return "refused up front", item["name"], str(out)[:200]
+                try:
+                    why = json.loads(out)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    why = str(out)
+                return "refused up front", item["name"], f"{status}: {why[:300]}"
             return "failed", item["name"], f"{status} {str(out)[:200]}"
 
         t1 = time.monotonic()

@@ -23,8 +23,8 @@ BENCHMARKS = {
     "llama_cpp_host": "llama-cpp-python: our Llama vs stock Llama (no drafting / blind draft_model)",
     "vllm_host": "vLLM: our proposers vs vLLM's draft_model and ngram under the same structured outputs",
     "vllm_draft_host": "vLLM: the grammar-aware draft step's host work at V = 151,936, lazy vs every-row masking",
-    "real": "the real model (SmolLM2-135M GGUF) on llama-cpp-python: tokens per target pass by drafter source, "
-            "validity, wall-clock vs plain decoding and the host's own prompt-lookup speculation",
+    "real": "the real model (SmolLM2-135M-Instruct) on llama-cpp-python, mlx-lm or vLLM (--host): tokens per "
+            "target pass by drafter source, validity, wall-clock vs plain decoding and the host's own speculation",
 }
 
 
