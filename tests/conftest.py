@@ -102,10 +102,17 @@ SLOW_FILES = {
     "test_concurrency.py",  # 32 concurrent requests against mlx-lm and vLLM servers
     "test_vllm_serve.py",  # our vLLM launcher, and the README's quick start as written
     "test_hostile.py", "test_hostile_host.py",  # hostile-input probes against both servers
+    "test_hostile_vllm.py",  # issue 33's hostile bodies against the vLLM launcher (one server, ~3.5 min under load)
     "test_mlx_server.py",  # the patched mlx_lm.server, two servers
     "test_vllm_budget.py",  # a plain and a speculative vLLM engine
     "test_real_model.py", "test_real_drafting.py", "test_real_draft.py",  # SmolLM2-135M through every host
 }
+# The files that build vLLM engines in the test process (vllm.LLM, the offline helpers): one xdist group (above).
+# A process that has run them holds ~10-12 GB (vLLM does not give its engines' memory back); the rest of the suite
+# holds ~5 GB.  scripts/test.sh sizes its workers by these figures.
+VLLM_IN_PROCESS = {"test_models_hosts.py", "test_real_model.py", "test_vllm_adapter.py", "test_vllm_budget.py",
+                   "test_vllm_draft_model.py", "test_vllm_proposer.py", "test_vllm_ranks.py"}
+VLLM_IN_PROCESS_GROUP = "vllm-in-process"
 SLOW_TESTS = {
     "test_budget.py": {"test_generated_schemas_end_within_the_budget", "test_regex_and_choice_end_within_the_budget",
                        "test_the_output_law_is_the_target_law_under_the_budget_mask",
@@ -120,6 +127,7 @@ SLOW_TESTS = {
     "test_loop.py": {"test_loop_law_matches_plain_constrained_sampling"},
     "test_mlx_law.py": {"test_tokens_per_target_pass_vs_mlx_speculative"},
     "test_mlx_server_batch.py": {"test_batched_requests_over_http_one_fault_fails_only_its_request"},  # a server
+    "test_mlx_server_bench.py": {"test_bench_mlx_server_quick"},  # two servers
     "test_models.py": {"test_build_is_deterministic"},
     "test_packaging.py": {"test_the_wheel_holds_the_data"},
     "test_schema_keywords.py": {"test_instances_violating_only_one_keyword_are_rejected"},
@@ -132,6 +140,9 @@ SLOW_TESTS = {
         "test_argmax_drafts_mask_only_the_rows_whose_argmax_the_grammar_rejects",
         "test_refused_drafts_option_reaches_the_proposer_through_vllms_config",
         "test_draft_confidence_option_reaches_the_proposer_through_vllms_config"},
+    "test_vllm_ranks.py": {"test_tensor_parallel_2_greedy_equals_plain",  # a two-worker engine, 2-5 min here
+                           "test_tensor_parallel_2_sampled_drafts_keep_the_law",  # the same engine
+                           "test_the_engine_does_not_start_without_its_recipe_pack"},  # two engines start (and stop)
 }
 
 
@@ -142,6 +153,7 @@ def pytest_collection_modifyitems(config, items):
         if fname in SLOW_FILES or name in SLOW_TESTS.get(fname, ()):
             item.add_marker(pytest.mark.slow)
         # pytest-xdist (`--dist loadgroup`, scripts/test.sh): a file's tests stay on one worker, so a module-scoped
-        # server or engine starts once, unless a test names a group of its own
+        # server or engine starts once, unless a test names a group of its own.  The files that hold vLLM engines
+        # in the test process share one group, so one worker holds vLLM's memory and the others do not.
         if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(fname))
+            item.add_marker(pytest.mark.xdist_group(VLLM_IN_PROCESS_GROUP if fname in VLLM_IN_PROCESS else fname))

@@ -378,3 +378,27 @@ def test_properties_named_like_keywords(tok, engine):
         pytest.skip(f"{engine} refuses {schema}")
     g = CertifiedBudget(c, 128)
     assert not g.lost and _validator(schema)(_text(tok, g._certs[0]))
+
+
+@pytest.mark.parametrize("engine", ["llguidance", "xgrammar"])
+def test_a_deeply_nested_free_value_keeps_its_certificate(tok, engine):
+    """SmolLM2 on vLLM nested a free value (``{}``) ten objects deep: the certified walk's rule against taking one
+    token again and again also refused the ninth ``}``, walked into an endless exponent (``0e0123...``), found no
+    completion, and the request ran on without a budget and was cut off at max_tokens (bench vllm_host, 1 of 20
+    dev-split schemas).  Every prefix nesting deeper keeps a certificate that closes every object."""
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"c": {}, "p": {}},
+                                                     "required": ["c", "p"], "additionalProperties": False}},
+              "required": ["a"], "additionalProperties": False}
+    c = _compile(ConstraintSpec.json_schema(schema), tok, engine)
+    if c is None:
+        pytest.skip(f"{engine} refuses {schema}")
+    g = CertifiedBudget(c, 200)
+    text = '{"a":{"c":' + '{"k":' * 12
+    prefix = tok.encode(text)
+    m = c.matcher()
+    assert all(m.accept(t) for t in prefix), text
+    for i in range(len(prefix) + 1):
+        g._sync(prefix[:i])
+        cert = g._certs[-1]
+        assert cert is not None, f"no certificate after {_text(tok, prefix[:i])!r}"
+    assert _validator(schema)(_text(tok, [*prefix, *cert])), _text(tok, [*prefix, *cert])

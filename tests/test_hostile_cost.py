@@ -148,12 +148,14 @@ def test_a_chain_of_rules_under_the_rule_limit_is_no_recursion_error():
 
 
 def test_lone_surrogates_are_400s():
-    e = answered({"messages": M, "regex": "a+", "specgrammar": {"trigger": "\ud800"}}, ConstraintError)
-    assert "trigger" in str(e) and "surrogate" in str(e)
-    e = answered({"messages": M, "choice": ["a", "\udc00"]}, ConstraintError)
-    assert "surrogate" in str(e)
-    e = answered({"messages": M, "stop": ["\ud800"]}, RequestError)
-    assert e.field == "stop"
+    """Wherever one is in the body (a value or a key), the gate names its path (a 400 on every host)."""
+    for body, where in (({"regex": "a+", "specgrammar": {"trigger": "\ud800"}}, "specgrammar.trigger"),
+                        ({"choice": ["a", "\udc00"]}, "choice[1]"), ({"stop": ["\ud800"]}, "stop[0]"),
+                        ({"messages": [{"role": "user", "content": "caf\u00e9 \udfff"}]}, "messages[0].content"),
+                        ({"json_schema": {"properties": {"\ud83d": {}}}}, "json_schema.properties (a key)")):
+        e = answered({"messages": M, **body}, RequestError)
+        assert e.field == where and "lone surrogate" in str(e), (e.field, str(e))
+    answered({"messages": M, "choice": ["caf\u00e9", json.loads('"\\ud83e\\udd80"')]}, None)  # JSON's pair: a crab
 
 
 def test_what_cannot_fit_the_budget_is_refused_before_compiling():

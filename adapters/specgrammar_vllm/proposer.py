@@ -55,6 +55,7 @@ from specgrammar_plugins.api import (BudgetError, ConstraintError, HistoryMatche
                                      make_drafter, resolve_pack_name)
 
 from .draws import RequestDraws
+from .startup import check_recipe_pack
 from .structured import ENGINES, engine_options, params_key, spec_from_params
 
 log = logging.getLogger("vllm.specgrammar")
@@ -117,6 +118,7 @@ class GrammarStates(RequestTable):
         # compiled constraint -> {max_tokens: why it cannot end within it, or None}: _check_budget's verdicts
         self._budget_verdicts: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
         self._logged_at = time.monotonic()
+        check_recipe_pack(self)  # every rank loads the engine-wide pack now: one it cannot load stops start-up
         _INSTANCES.add(self)
 
     # ------------------------------------------------------------------ per request

@@ -26,7 +26,8 @@ The launcher also adds two ASGI middlewares (``SPECGRAMMAR_VLLM_MIDDLEWARE=0`` l
 - ``SpecgrammarGate``: the core's request gate (``check_request``) on every completion request, and the request
   spellings vLLM 0.32 ignores (top-level ``regex`` / ``grammar`` / ``json_schema`` / ``choice``, ``guided_*``,
   ``response_format`` of type regex / grammar, a top-level ``specgrammar`` object) rewritten into what it reads
-  (``structured_outputs``, ``vllm_xargs``); see ``gate_body``.
+  (``structured_outputs``, ``vllm_xargs``); see ``gate_body``.  Every constraint is compiled there by our strict
+  compiler as vLLM's backend will read it, and vLLM is handed the form it enforces exactly (issue 33).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from importlib import metadata
 
 from .config import speculative_config_arg, uses_draft_model
@@ -62,8 +64,13 @@ MIDDLEWARE = ("specgrammar_vllm.serve.StreamErrorsAs400",
 # the OpenAI routes whose bodies the gate reads (everything else passes through untouched)
 GATED_PATHS = ("/v1/chat/completions", "/v1/completions")
 BODY_TIMEOUT_S = float(os.environ.get("SPECGRAMMAR_BODY_TIMEOUT_S", 30.0))
+# the largest request body the gate reads (a larger one is a 413 before it is read whole; a constraint in it still
+# has its own limit, SPECGRAMMAR_MAX_CONSTRAINT_BYTES)
+MAX_BODY_BYTES = int(os.environ.get("SPECGRAMMAR_MAX_BODY_BYTES", 64 << 20))
 # the proposer's recipes_dir (--additional-config), for the gate in the API server process(es)
 RECIPES_ENV = "SPECGRAMMAR_VLLM_RECIPES_DIR"
+# the names the server serves (a JSON list, set by main from --served-model-name / the model): the gate's 404s
+SERVED_ENV = "SPECGRAMMAR_VLLM_SERVED_MODELS"
 # the specgrammar options GrammarProposer applies per request; the others are refused (400), not ignored
 # (k is the engine's --grammar-spec K; engine and trigger are vLLM's structured-output backend's; lambda, adaptive
 # and budget would tilt vLLM's own sampler, which a proposer cannot)
@@ -75,7 +82,11 @@ def vllm_host():
     itself, and returns ``n`` choices)."""
     from specgrammar_plugins.api import Host
 
-    return Host("the vLLM launcher", honours=HONOURED, n=True, prompt_types=())
+    try:
+        models = tuple(str(m) for m in json.loads(os.environ.get(SERVED_ENV) or "[]"))
+    except ValueError:
+        models = ()
+    return Host("the vLLM launcher", honours=HONOURED, n=True, prompt_types=(), models=models)
 
 
 async def _send_error(send, status: int, err: dict) -> None:
@@ -124,6 +135,53 @@ def gate_body(raw: bytes) -> bytes | None:
     ``regex`` / ``grammar`` / ``json_schema`` / ``choice``, ``guided_*``, ``response_format`` of type regex or
     grammar) are rewritten into vLLM's ``structured_outputs`` (vLLM ignored or refused them), and a top-level
     ``specgrammar`` object goes to the proposer as ``vllm_xargs.specgrammar``."""
+    from specgrammar_plugins.api import prepare_deadline
+
+    with prepare_deadline() as deadline:  # one deadline over the whole preparation (SPECGRAMMAR_PREPARE_TIMEOUT_S)
+        return _gate_body(raw, deadline)
+
+
+def _warm(deadline) -> None:
+    """Wait for the gate's warm-up, outside the request's deadline (the process's one-time set-up is not a
+    request's preparation); only constrained requests wait (nothing else compiles)."""
+    if not WARM.is_set():
+        import time
+
+        t0 = time.monotonic()
+        WARM.wait(WARM_S)
+        deadline.end += time.monotonic() - t0
+
+
+WARM = threading.Event()
+WARM.set()  # (cleared while a launcher's gate warms up)
+WARM_S = 300.0
+
+
+def warm_up() -> None:
+    """The gate's one-time set-up in this process, before its first request: the served tokenizer's tables, the
+    compile worker (its import of xgrammar and torch), the engine's per-tokenizer set-up and the budget's first
+    walk (on the 2-core machine under load, 7 s: more than the first request's whole deadline).  Requests wait
+    for it (``WARM``), outside their deadline."""
+    from specgrammar_plugins.api import COMPILE_POOL, LIMITS, ConstraintSpec, SpecOptions
+
+    from .budget_mask import gate_check
+
+    try:
+        for spec in (ConstraintSpec.regex("[0-9]{2}"), ConstraintSpec.json_schema({"type": "integer"})):
+            gate_compile(spec)
+            gate_check(spec, SpecOptions(), 16)
+        if LIMITS.compile_isolation == "process":  # a spare worker: when a compile past the deadline gets one
+            COMPILE_POOL.prestart()  # killed, the next request compiles on the spare while its replacement starts
+    except Exception as e:  # never fatal: the first requests pay for it instead
+        import logging
+
+        logging.getLogger("vllm.specgrammar").warning("specgrammar: gate warm-up failed (%s: %s)",
+                                                      type(e).__name__, e)
+    finally:
+        WARM.set()
+
+
+def _gate_body(raw: bytes, deadline) -> bytes | None:
     from specgrammar_plugins.api import SpecGrammarError, check_request, resolve_pack_name
 
     try:
@@ -141,25 +199,29 @@ def gate_body(raw: bytes) -> bytes | None:
         raise Refused(400, "give specgrammar options once: a top-level \"specgrammar\" object or "
                       "vllm_xargs.specgrammar", "specgrammar")
     checked_body = dict(body, specgrammar=xopts) if xopts is not None else body
+    if checked_body.get("model") in (None, ""):  # vLLM serves its first model to a request that names none
+        checked_body = {k: v for k, v in checked_body.items() if k != "model"}
+    changed = False
     try:
         checked = check_request(checked_body, vllm_host())
         if checked.options.recipe:  # a pack name the proposer will find (RecipePackError: 400 naming the packs)
             resolve_pack_name(checked.options.recipe, os.environ.get(RECIPES_ENV) or None)
-        if checked.spec is not None:  # a constraint that cannot end within max_tokens: 400 naming the length
-            from .budget_mask import gate_check
-
-            gate_check(checked.spec, checked.options, checked.max_tokens)
+        if checked.spec is not None:
+            _warm(deadline)
+            try:
+                so, vspec = enforced_form(body, checked.spec)  # strict compile of what vLLM enforces (400 naming why)
+            except (TypeError, AttributeError, KeyError) as e:  # a shape vLLM's reader would fail on: ours is a 400
+                raise Refused(400, f"the constraint cannot be read as vLLM reads it: {str(e)[:200]}",
+                              "structured_outputs") from None
+            if so is not None:
+                for name in ("response_format", "regex", "grammar", "grammar_syntax", "json_schema", "choice",
+                             "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+                    body.pop(name, None)
+                body["structured_outputs"] = so
+                changed = True
+            _fits(vspec, checked)
     except SpecGrammarError as e:
         raise Refused(getattr(e, "status_code", 400), str(e), getattr(e, "field", None) or "specgrammar") from None
-    changed = False
-    if checked.spec is not None and not _vllm_reads_it(body):
-        from .structured import params_from_spec
-
-        for name in ("response_format", "regex", "grammar", "grammar_syntax", "json_schema", "choice", "guided_json",
-                     "guided_regex", "guided_choice", "guided_grammar"):
-            body.pop(name, None)
-        body["structured_outputs"] = params_from_spec(checked.spec)
-        changed = True
     if body.get("specgrammar") is not None:
         opts = body.pop("specgrammar")
         body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "specgrammar": json.dumps(opts)}
@@ -171,13 +233,76 @@ def _refuse_constant(name):
     raise ValueError(f"{name} is not a valid JSON value")
 
 
-def _vllm_reads_it(body: dict) -> bool:
-    """Whether vLLM reads the request's constraint itself (``structured_outputs``, or a ``response_format`` of
-    type json_schema / json_object; not llama-cpp-python's json_object with a ``schema``, whose schema vLLM
-    ignores)."""
-    rf = body.get("response_format")
-    return body.get("structured_outputs") is not None or (isinstance(rf, dict) and (
-        rf.get("type") == "json_schema" or (rf.get("type") == "json_object" and rf.get("schema") is None)))
+def _fits(spec, checked) -> None:
+    """A constraint that cannot end within max_tokens: 400 naming its length (``budget_mask.gate_check``), for
+    ``spec`` in the form vLLM reads, which the engine's budget (``budget_mask.build``) certifies again: the gate
+    refuses first what the engine would fail with a 500 (a choice whose exact shortest fits but whose EBNF form's
+    certificate does not), and a Lark grammar in ``structured_outputs`` is no longer refused as GBNF.  One for
+    which no completion was certified is served as the engine serves it: without the mask, counted
+    (``budget_mask.wrap_create_grammar``), not refused."""
+    from specgrammar_plugins.api import BudgetError
+
+    from .budget_mask import gate_check
+
+    try:
+        gate_check(spec, checked.options, checked.max_tokens)
+    except BudgetError as e:
+        if e.shortest is not None:
+            raise
+
+
+def enforced_form(body: dict, spec):
+    """The request's constraint as vLLM's structured-output backend will read it, compiled by our strict compiler
+    for the served tokenizer with that backend's engine and options (``gate_compile``), so that what the engine
+    refuses or would not enforce is a 400 here naming it (a schema's ``oneOf`` came back violated: vLLM's xgrammar
+    reads it as ``anyOf``), never an invalid output, a 500 or a wedged engine.  Returns the ``structured_outputs``
+    vLLM is to be handed (None: the body's own, unchanged) and the constraint as vLLM reads it: our spellings rewritten into vLLM's (``response_format``
+    json_schema too, so a schema without vLLM's required ``"name"`` is served), a llama.cpp GBNF grammar as the
+    xgrammar EBNF our engine compiles (``root ::= "a" |`` was a 500 in vLLM's own parser), a JSON Schema in its
+    exact rewritten form where it has one (``oneOf`` with disjoint branches -> ``anyOf``)."""
+    from types import SimpleNamespace
+
+    from specgrammar_plugins.api import normalize_gbnf
+
+    from .structured import params_from_spec, spec_from_params
+
+    given = body.get("structured_outputs")
+    if isinstance(given, dict):  # vLLM's own spelling: read as vLLM reads it (its grammar is xgrammar EBNF / Lark)
+        so, changed = dict(given), False
+    else:
+        so, changed = params_from_spec(spec), True
+        if spec.kind == "grammar" and spec.syntax == "gbnf":
+            so["grammar"] = normalize_gbnf(spec.value)
+    vspec = spec_from_params(SimpleNamespace(**{k: so.get(k) for k in ("json", "json_object", "regex", "choice",
+                                                                          "grammar")}))
+    compiled = gate_compile(vspec)
+    if compiled is not None and compiled.rewrites and compiled.spec.kind == "json_schema":
+        so["json"], changed = compiled.spec.schema, True
+    return (so if changed else None), vspec
+
+
+def gate_compile(spec):
+    """``spec`` compiled strictly for the served tokenizer (``SPECGRAMMAR_VLLM_TOKENIZER``) with the engine of
+    vLLM's backend (``SPECGRAMMAR_VLLM_ENGINE``, from ``--structured-outputs-config``; xgrammar by default, in its
+    strict mode as vLLM 0.32 compiles), under the request's deadline, in a compile worker the launcher runs
+    (``compile_isolation="process"``: killed at the deadline or past its memory limit).  None without a
+    tokenizer (a model vLLM loads from a hub name: vLLM's backend alone then decides)."""
+    from specgrammar_plugins.api import compile_constraint
+
+    from . import budget_mask as bm
+
+    name = os.environ.get(bm.TOKENIZER_ENV)
+    if spec is None or not name:
+        return None
+    engine = os.environ.get(bm.ENGINE_ENV, "xgrammar")
+    tok = bm._GATE.get((name, engine))  # (shared with budget_mask.gate_check: one tokenizer table per process)
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(name)
+        tok = bm._GATE[(name, engine)] = bm.grammar_tokenizer(hf, bm._vocab_size(name, hf), engine)
+    return compile_constraint(spec, tok, engine=engine, **({"xgrammar_strict_mode": True} if engine == "xgrammar"
+                                                             else {}))
 
 
 class SpecgrammarGate:
@@ -188,7 +313,12 @@ class SpecgrammarGate:
     ``SPECGRAMMAR_BODY_TIMEOUT_S`` (408) are answered here too."""
 
     def __init__(self, app):
+        from .budget_mask import TOKENIZER_ENV
+
         self.app = app
+        if os.environ.get(TOKENIZER_ENV):  # the served tokenizer is known: warm the gate up
+            WARM.clear()
+            threading.Thread(target=warm_up, name="specgrammar-gate-warm-up", daemon=True).start()
 
     async def __call__(self, scope, receive, send):
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in GATED_PATHS:
@@ -201,13 +331,22 @@ class SpecgrammarGate:
             media = ctype.split(b";")[0].strip().decode("latin-1")
             return await _send_error(send, 415, Refused(415, f"Content-Type must be application/json, got {media!r}",
                                                         "content-type").error())
-        chunks = []
+        too_large = Refused(413, f"The request body is larger than {MAX_BODY_BYTES} bytes (the limit, "
+                                 "SPECGRAMMAR_MAX_BODY_BYTES)", "body").error()
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:  # refused before a byte of it is read
+            return await _send_error(send, 413, too_large)
+        chunks, size = [], 0
+        end = asyncio.get_running_loop().time() + BODY_TIMEOUT_S  # a deadline for the whole body, not per chunk
         try:
             while True:
-                msg = await asyncio.wait_for(receive(), BODY_TIMEOUT_S)
+                msg = await asyncio.wait_for(receive(), max(0.0, end - asyncio.get_running_loop().time()))
                 if msg["type"] != "http.request":
                     return None  # the client went away
                 chunks.append(msg.get("body", b""))
+                size += len(chunks[-1])
+                if size > MAX_BODY_BYTES:
+                    return await _send_error(send, 413, too_large)
                 if not msg.get("more_body"):
                     break
         except asyncio.TimeoutError:
@@ -374,6 +513,46 @@ def recipes_dir(argv: list[str]) -> str | None:
     return None
 
 
+def _values_of(argv: list[str], name: str) -> list[str]:
+    """The values of an option that takes one or more (``--served-model-name a b``)."""
+    for i, a in enumerate(argv):
+        if a.startswith(name + "="):
+            return [a.split("=", 1)[1]]
+        if a == name:
+            out = []
+            for v in argv[i + 1:]:
+                if v.startswith("-"):
+                    break
+                out.append(v)
+            return out
+    return []
+
+
+def configure_gate(args: list[str], model: str | None) -> None:
+    """What the gate of this launcher's API server needs: the names it serves (a request naming another is a 404
+    at the gate: vLLM 0.32 answered 200 to ``"no/such-model"``; with LoRA adapters vLLM checks names itself), the
+    engine of vLLM's structured-output backend (``--structured-outputs-config``), and compiles that can be stopped:
+    ``compile_isolation="process"`` (a worker process killed at the deadline, under ``RLIMIT_AS``) unless
+    ``SPECGRAMMAR_COMPILE_ISOLATION`` says otherwise.  The worker starts on the first compile, not here: vLLM may
+    fork its EngineCore after this, and a forked child must not share the parent's worker pipes."""
+    from specgrammar_plugins.api import LIMITS
+
+    from .budget_mask import ENGINE_ENV
+    from .structured import ENGINES
+
+    names = _values_of(args, "--served-model-name") or ([model] if model else [])
+    if names and not any(a.startswith(("--enable-lora", "--lora-modules")) for a in args):
+        os.environ.setdefault(SERVED_ENV, json.dumps(names))
+    raw = _value_of(args, "--structured-outputs-config")
+    try:
+        backend = (json.loads(raw) or {}).get("backend") if raw else None
+    except (ValueError, AttributeError):
+        backend = None
+    if backend in ENGINES:
+        os.environ.setdefault(ENGINE_ENV, ENGINES[backend])
+    LIMITS.compile_isolation = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "process").strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     install_version_shim()
@@ -386,10 +565,11 @@ def main(argv: list[str] | None = None) -> int:
         [a for m in MIDDLEWARE for a in ("--middleware", m)]
     args = build_argv(argv)
     model = args[0] if args and not args[0].startswith("-") else _value_of(args, "--model")
-    if model and os.path.isdir(model):  # the gate's budget check compiles for the served tokenizer
+    if model and os.path.isdir(model):  # the gate compiles for the served tokenizer
         from .budget_mask import TOKENIZER_ENV
 
         os.environ.setdefault(TOKENIZER_ENV, model)
+    configure_gate(args, model)
     if uses_draft_model(_value_of(args, "--speculative-config")):
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     sys.argv = ["vllm", "serve", *args, *extra]

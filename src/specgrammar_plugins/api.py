@@ -14,6 +14,7 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
   ``law_backend(name)``: the same law and verifier where the logits live (``numpy``, ``mlx``, ``torch``);
 - the gate every host runs on a request first: ``check_request`` with the host's ``Host`` -> ``Checked``;
   ``prepare_deadline()``: the one preparation deadline of a request (gate check, compile, budget) on this thread;
+  ``normalize_gbnf``: a llama.cpp GBNF grammar as xgrammar's EBNF reads it (the text our xgrammar engine compiles);
 - ``resolve_model``: a model by name (``smollm2-135m``, ``tiny``, ...) or path -> what a host loads (a GGUF for
   ``llama_cpp``, a transformers folder for ``mlx_lm`` / ``vllm``; ``models.real``), ``is_model_name``,
   ``ModelNotInstalled``, ``UnknownModelError``;
@@ -38,6 +39,7 @@ from .compile_worker import POOL as COMPILE_POOL
 from .compiler import LIMITS, compile_constraint
 from .constraint import CompiledConstraint, ConstraintSpec, Forced, Matcher
 from .distributions import GREEDY, SamplingParams, log_law
+from .gbnf import normalize_gbnf
 from .gate import Checked, Host, check_request
 from .errors import BudgetError, ConstraintError, EmptyMaskError, RequestError, SpecGrammarError, TokenizerMismatchError
 from .history import HistoryMatcher, MaskProcessor, RequestBoundary, StopOnlyMask
@@ -65,7 +67,7 @@ __all__ = [
     "SpecGrammarError", "SpecOptions", "SpeculativeLoop", "Stats", "StopOnlyMask", "TokenizerInfo",
     "TokenizerMismatchError", "UnknownModelError", "Verdict", "budget_of", "check_budget", "check_request", "common_prefix_len", "compile_constraint", "fill",
     "allowed_ids", "is_model_name", "law_backend", "log_law", "make_drafter", "make_loop", "mask_allows", "mask_words", "new_mask",
-    "parse_request", "patch_path", "prepare_deadline", "registered_drafters", "resolve_model", "resolve_pack", "resolve_pack_name", "set_bit",
+    "normalize_gbnf", "parse_request", "patch_path", "prepare_deadline", "registered_drafters", "resolve_model", "resolve_pack", "resolve_pack_name", "set_bit",
     "sync_runner", "unpack_mask", "verify_block",
     "with_defaults",
 ]

@@ -327,6 +327,7 @@ class _WalkVocab:
                                         if b in single])
         self.digits = frozenset(single[b] for b in b"0123456789" if b in single)
         self.enders = [single[b] for b in b'}],' if b in single] + [t for t in stops if t < tok.vocab_size]
+        self.closers = frozenset(single[b] for b in b"}]" if b in single)
         self.blanks = [single[b] for b in _WHITESPACE if b in single]
 
 
@@ -357,6 +358,7 @@ class CertifiedBudget(Budget):
         self.spell, self.prefer, self.prefer_in_string = v.spell, v.prefer, v.prefer_in_string
         self.prefer_after_digit, self.digits, self.enders, self.blanks = (v.prefer_after_digit, v.digits, v.enders,
                                                                           v.blanks)
+        self.closers = v.closers
         self._row = np.zeros(mask_words(tok.vocab_size), dtype=np.int32)
         self._probe = np.zeros(mask_words(tok.vocab_size), dtype=np.int32)
         schema = compiled.spec.schema if compiled.spec.kind == "json_schema" else None
@@ -519,8 +521,12 @@ class CertifiedBudget(Budget):
             order = self.prefer_after_digit if chr(scan.last).isdigit() or scan.last == 0x2E else self.prefer
             allowed = allowed_among(row, order)
             if allowed:
-                if allowed[0] not in self.digits and used.get(allowed[0], 0) >= 8 and len(allowed) > 1:
-                    # the first choice again and again (``root ::= "a" root | "b"``, ``/a*b/``): the least used
+                closes = allowed[0] in self.closers and bool(scan.stack)  # each one ends an open container
+                if allowed[0] not in self.digits and used.get(allowed[0], 0) >= 8 and len(allowed) > 1 \
+                        and not closes:
+                    # the first choice again and again (``root ::= "a" root | "b"``, ``/a*b/``): the least used.
+                    # Not a closer while a container is open: a value nested 9 deep needs 9 ``}`` (the rule sent
+                    # the walk into an endless exponent, ``0e0123...``, and the budget lost its certificate)
                     return [min(allowed, key=lambda t: used.get(t, 0))]
                 digits = [t for t in allowed if t in self.digits]
                 if allowed[0] in self.digits and used.get(allowed[0], 0) >= 8:  # 0.000... going nowhere

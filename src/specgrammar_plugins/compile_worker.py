@@ -7,10 +7,15 @@ their ``isolate`` attribute is True) compile in a worker process instead:
 
 - workers are plain ``python -m specgrammar_plugins.compile_worker`` processes (no re-import of the host's
   ``__main__``, safe from threaded servers), started on first use and kept warm, at most
-  ``SPECGRAMMAR_COMPILE_WORKERS`` (default 2) at a time; start-up, sending a tokenizer and loading an engine
-  (importing xgrammar takes seconds: it imports torch) are not timed;
+  ``SPECGRAMMAR_COMPILE_WORKERS`` (default 2) at a time; a worker's start-up (importing xgrammar takes seconds:
+  it imports torch), sending it a tokenizer and loading an engine are not timed, but a compile's limit runs from
+  its call: waiting for a free worker counts (a worker started in the background by ``prestart`` loads every
+  tokenizer and engine the pool has used, so a replacement is ready when a compile gets it);
 - a job that outlives the limit gets its worker SIGKILLed (the compile stops at once, its memory is returned) and
-  the caller a ``ConstraintError``; the next compile starts a fresh worker;
+  the caller a ``ConstraintError``; a fresh worker is started at once in the background (``prestart``), not by
+  the next compile: its start (seconds; 20-40 s on the 2-core machine under load) would be counted against that
+  request's deadline.  A compile waits for a free worker at most its own time limit (a ``ConstraintError`` naming
+  the limit), never longer;
 - a finished job sends back the engine's serialized result when the engine can export one (xgrammar:
   ``CompiledGrammar.serialize_json``, tens of ms for a schema on a 150k vocabulary); otherwise (outlines-core,
   dfa) the worker's compile is a probe that proved the compile finishes in time and the caller compiles again
@@ -173,13 +178,20 @@ class WorkerPool:
         self._idle: list[Worker] = []
         self._count = 0
         self._cv = threading.Condition()
+        self._starting = 0  # workers prestart is starting in the background
+        self._seen: dict = {}  # tokenizer key -> the tokenizer sent to workers (a replacement gets them at start)
+        self._preps: set = set()  # (engine, tokenizer key) loaded in workers
         self.killed = 0  # workers killed for running past the limit (for tests and logs)
         self.last_killed_pid: int | None = None
 
-    def _acquire(self) -> Worker:
+    def _acquire(self, timeout: float | None = None) -> Worker | None:
+        """An idle worker, or a new one while fewer than ``max_workers`` exist; None when none is free within
+        ``timeout`` seconds (None: wait as long as it takes).  A compile (``timeout`` given) starts no worker
+        while one is starting in the background: it waits for that one, within its time."""
         with self._cv:
-            while not self._idle and self._count >= self.max_workers:
-                self._cv.wait()
+            if not self._cv.wait_for(lambda: self._idle or (self._count < self.max_workers and not (
+                    timeout is not None and self._starting)), timeout):
+                return None
             if self._idle:
                 return self._idle.pop()
             self._count += 1
@@ -201,19 +213,30 @@ class WorkerPool:
 
     def compile(self, eng, spec, tokenizer, options: dict, timeout: float):
         """Compile ``spec`` with ``eng`` in a worker within ``timeout`` seconds (see the module docstring)."""
-        w = self._acquire()
+        import time
+
+        end = time.monotonic() + timeout  # the wait for a worker counts: never past the limit
+        w = self._acquire(timeout)
+        if w is None:
+            raise ConstraintError(f"compiling took longer than {timeout:g} s (the compile time limit): no compile "
+                                  "worker was free (others compiling, or one starting after a kill)",
+                                  engine=eng.name, kind=spec.kind)
         keep = False
         try:
             key = (tokenizer.fingerprint, tokenizer.vocab_size)
+            t_setup = time.monotonic()
             if key not in w.toks:
-                if w.call(("tok", key, dataclasses.replace(tokenizer, encode=None)), STARTUP_S) is None:
+                self._seen.setdefault(key, dataclasses.replace(tokenizer, encode=None))
+                if w.call(("tok", key, self._seen[key]), STARTUP_S) is None:
                     raise ConstraintError("the compile worker did not take the tokenizer", engine=eng.name)
                 w.toks.add(key)
             if (eng.name, key) not in w.toks:
                 if w.call(("prep", eng.name, key), STARTUP_S) is None:
                     raise ConstraintError("the compile worker did not load the engine", engine=eng.name)
                 w.toks.add((eng.name, key))
-            reply = w.call(("compile", eng.name, spec, key, options), timeout)
+                self._preps.add((eng.name, key))
+            end += time.monotonic() - t_setup  # a first tokenizer upload and engine load are not the compile's
+            reply = w.call(("compile", eng.name, spec, key, options), max(0.0, end - time.monotonic()))
             if reply is None:
                 self.killed += 1
                 self.last_killed_pid = w.pid
@@ -231,6 +254,7 @@ class WorkerPool:
             else:
                 w.kill()
                 self._drop()
+                self.prestart()  # its replacement, started now in the background
         if reply[0] == "error":
             if MAX_BYTES > 0 and _memory_words(reply[1]):
                 raise _out_of_memory(reply[2], reply[3])
@@ -241,16 +265,36 @@ class WorkerPool:
         return eng.compile(spec, tokenizer, options)  # the worker proved it finishes in time
 
     def prestart(self) -> None:
-        """Start one worker in the background (servers call this at start-up, so the first request does not wait
-        for the worker's imports)."""
+        """Start one more worker in the background, while fewer than ``max_workers`` exist (servers call this at
+        start-up, so the first request does not wait for the worker's imports; the pool calls it for a killed
+        worker's replacement)."""
 
         def start():
             try:
-                w = self._acquire()
+                _start()
+            finally:  # started (and idle) or failed: compiles waiting for it go on
+                with self._cv:
+                    self._starting -= 1
+                    self._cv.notify_all()
+
+        def _start():
+            with self._cv:  # a new worker beside the idle ones (a spare, or a killed one's replacement), if room
+                if self._count >= self.max_workers:
+                    return
+                self._count += 1
+            try:
+                w = Worker()
             except ConstraintError:  # pragma: no cover - the first compile will say it again
+                self._drop()
                 return
             try:
                 ok = w.call(("import", "xgrammar"), STARTUP_S) is not None  # the default engine: seconds to import
+                for key, tok in list(self._seen.items()):  # a replacement: the tokenizers and engines compiles
+                    ok = ok and w.call(("tok", key, tok), STARTUP_S) is not None  # used so far, loaded now (the
+                    w.toks.add(key)  # compile that waits for it has only its own time left)
+                for name, key in list(self._preps):
+                    ok = ok and w.call(("prep", name, key), STARTUP_S) is not None
+                    w.toks.add((name, key))
             except (EOFError, OSError):  # pragma: no cover
                 ok = False
             if ok:
@@ -259,6 +303,8 @@ class WorkerPool:
                 w.kill()
                 self._drop()
 
+        with self._cv:
+            self._starting += 1
         threading.Thread(target=start, name="specgrammar-compile-prestart", daemon=True).start()
 
     def shutdown(self) -> None:

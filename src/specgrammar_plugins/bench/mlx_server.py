@@ -1,0 +1,257 @@
+"""Benchmark ``mlx_server``: concurrent JSON Schema requests over HTTP against ``mlx_lm.server --plugin specgrammar``.
+
+One run starts the patched mlx-lm server twice on the same target (OpenBLAS preloaded when installed) and sends the
+same ``--n`` JSON Schema requests (``json_extraction`` eval prompts, ``response_format`` json_schema, greedy, the
+budget on as by default) in four ways:
+
+    loop-serial       --draft-model: our speculative loop (grammar-aware drafts, exact verification), the requests
+                      one after another (before issue 34 the server served concurrent requests this way too:
+                      mlx-lm turns batching off with a draft model)
+    draft-concurrent  the same server, all requests at once: the first is served alone by our loop, those that
+                      arrive while others wait or decode join mlx-lm's batching path without drafts
+                      (``--specgrammar-batch auto``, the default)
+    batch-concurrent  no draft model: mlx-lm's own BatchGenerator, every row with our grammar logits processor
+                      (grammar + budget in the row), all requests at once: one batched forward per step
+    batch-serial      the same server, one after another (plain constrained decoding, no drafts)
+
+Reported per configuration (the fastest of ``--reps`` runs, the least disturbed on a shared machine; every run's
+wall in the JSON): wall seconds for the whole set, completion tokens (the server's ``usage``), aggregate
+tokens/s and its ratio to ``loop-serial``, tokens per target pass per request (our loop: from the server's log
+line per request; mlx-lm's loops decode one token per row per target forward: 1.00), how many requests our loop
+served, how many outputs are valid,
+and whether each request's output equals its ``batch-serial`` output (the batched rows against plain constrained
+decoding of the same request alone) and its ``loop-serial`` output.  The load average is recorded before and after
+each configuration (the machine may be shared: compare ratios within one run).
+
+    specgrammar bench mlx_server [--model tiny|smollm2-135m] [--n 8] [--max-tokens 64] [--k 4] [--reps 1]
+                                 [--out-dir bench-out/mlx_server] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+CONFIGS = ("loop-serial", "draft-concurrent", "batch-concurrent", "batch-serial")
+_LOOP_LINE = re.compile(r"specgrammar: (\d+) tokens, (\d+) target passes")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _models(name: str) -> tuple[str, str, str]:
+    """(target folder, draft folder, what) for ``tiny`` or the real model."""
+    if name == "tiny":
+        from ..models import tiny_path
+
+        return str(tiny_path("target")), str(tiny_path("draft")), "the bundled tiny pair"
+    from ..models.real import SMOLLM2, smollm2_draft, smollm2_hf_folder
+
+    target = str(smollm2_hf_folder())
+    draft = smollm2_draft("mlx_lm")
+    if draft is None:
+        raise SystemExit(f"{SMOLLM2}: no draft model is built for mlx-lm (specgrammar models list)")
+    return target, str(draft), f"{SMOLLM2} with its draft model"
+
+
+class _Server:
+    """The patched ``mlx_lm.server --plugin specgrammar`` in a process of its own (stopped by ``stop``)."""
+
+    def __init__(self, root: Path, target: str, draft: str | None, k: int, max_tokens: int, log: Path):
+        from specgrammar_mlx_lm.blas import openblas_path
+
+        self.port = _free_port()
+        self.log = log
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--model", target, "--max-tokens", str(max_tokens), "--plugin", "specgrammar", "--log-level", "INFO"]
+        if draft:
+            cmd += ["--draft-model", draft, "--num-draft-tokens", str(k)]
+        # the preparation deadline (5 s by default) is not what this measures: on a shared machine a new schema's
+        # budget walk can overrun it, and the warm-up request would get a 400
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
+                   SPECGRAMMAR_PREPARE_TIMEOUT_S=os.environ.get("SPECGRAMMAR_PREPARE_TIMEOUT_S", "120"),
+                   PYTHONPATH=os.pathsep.join(x for x in (str(root), os.environ.get("PYTHONPATH")) if x))
+        lib = openblas_path()
+        if lib and sys.platform.startswith("linux"):
+            env["LD_PRELOAD"] = ":".join(x for x in (lib, env.get("LD_PRELOAD", "")) if x)
+        self._fh = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self._wait()
+
+    def _wait(self, timeout: float = 300.0) -> None:
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited:\n{self.log.read_text()[-3000:]}")
+            try:
+                self.ask({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+                return
+            except OSError:
+                if time.monotonic() - t0 > timeout:
+                    self.stop()
+                    raise RuntimeError("the server did not start in time")
+                time.sleep(0.5)
+
+    def ask(self, body: dict, timeout: float = 600.0) -> dict:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def loop_lines(self) -> list[tuple[int, int]]:
+        """(tokens, target passes) of each request our loop served, from the server's log, in order."""
+        return [(int(a), int(b)) for a, b in _LOOP_LINE.findall(self.log.read_text())]
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._fh.close()
+
+
+def _bodies(n: int, max_tokens: int) -> list[dict]:
+    from ..workloads import examples
+
+    exs = examples("json_extraction", "eval", n)
+    if len(exs) < n:
+        exs = [exs[i % len(exs)] for i in range(n)]
+    return [{"messages": [{"role": "user", "content": ex.prompt}], "max_tokens": max_tokens, "temperature": 0.0,
+             "response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "person", "schema": ex.constraint.schema}}} for ex in exs]
+
+
+def _send(server: _Server, bodies: list[dict], concurrent: bool) -> dict:
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    t0 = time.perf_counter()
+    if concurrent:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(server.ask, bodies))
+    else:
+        answers = [server.ask(b) for b in bodies]
+    wall = time.perf_counter() - t0
+    texts = [a["choices"][0]["message"]["content"] for a in answers]
+    tokens = sum(int(a["usage"]["completion_tokens"]) for a in answers)
+    return {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2), "texts": texts,
+            "load_before": load0, "load_after": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def run(model: str, n: int, max_tokens: int, k: int, workdir: Path, reps: int = 1) -> dict:
+    from specgrammar_mlx_lm.patch import patched_root
+
+    from ..workloads import is_valid
+
+    target, draft, what = _models(model)
+    root = patched_root(workdir / "mlx")[0]
+    bodies = _bodies(n, max_tokens)
+    rows: dict[str, dict] = {}
+    for with_draft in (True, False):
+        log = workdir / f"server-{'draft' if with_draft else 'batch'}.log"
+        server = _Server(root, target, draft if with_draft else None, k, max_tokens, log)
+        try:
+            # warm-up, not timed: the compile cache, the first forward, and the batching path's first batch (on the
+            # draft server its first use would otherwise fall in the timed concurrent run)
+            server.ask(bodies[0])
+            _send(server, bodies, True)
+            before = len(server.loop_lines())
+            for concurrent in (False, True):
+                name = {(True, False): "loop-serial", (True, True): "draft-concurrent",
+                        (False, False): "batch-serial", (False, True): "batch-concurrent"}[with_draft, concurrent]
+                print(f"  {name} ...", flush=True)
+                tries = []
+                for _ in range(reps):
+                    row = _send(server, bodies, concurrent)
+                    lines = server.loop_lines()[before:]
+                    before += len(lines)
+                    tries.append((row, lines))
+                tries.sort(key=lambda t: t[0]["wall_s"])
+                row, lines = tries[0]  # the fastest run: the least disturbed one on a shared machine
+                row["walls_s"] = sorted(t[0]["wall_s"] for t in tries)
+                if with_draft:
+                    # our loop's requests (its log line each); the others were batched: one token per row per pass
+                    row["tokens_per_pass"] = ([round(t / p, 3) if p else None for t, p in lines]
+                                              + [1.0] * (len(bodies) - len(lines)))
+                    row["served_by_loop"] = len(lines)
+                else:
+                    row["tokens_per_pass"] = [1.0] * len(bodies)  # mlx-lm's loops: one token per row per forward
+                rows[name] = row
+        finally:
+            server.stop()
+    base = rows["loop-serial"]
+    plain = rows["batch-serial"]["texts"]
+    for name, row in rows.items():
+        row["ratio_vs_loop_serial"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+        row["valid"] = sum(is_valid("json_extraction", t) for t in row["texts"])
+        row["equal_to_batch_serial"] = sum(a == b for a, b in zip(row["texts"], plain))
+        row["equal_to_loop_serial"] = sum(a == b for a, b in zip(row["texts"], base["texts"]))
+        tpp = [x for x in row["tokens_per_pass"] if x]
+        row["tokens_per_pass_mean"] = round(sum(tpp) / len(tpp), 3) if tpp else None
+    return {"model": model, "what": what, "n": n, "max_tokens": max_tokens, "k": k, "reps": reps, "rows": rows}
+
+
+def table(result: dict) -> str:
+    from . import _report as R
+
+    rows = result["rows"]
+    n = result["n"]
+    body = [[name, f"{r['wall_s']:.2f}", r["tokens"], f"{r['tokens_per_s']:.1f}", f"{r['ratio_vs_loop_serial']:.2f}",
+             R.fmt(r["tokens_per_pass_mean"]), f"{r.get('served_by_loop', 0)}/{n}", f"{r['valid']}/{n}",
+             f"{r['equal_to_batch_serial']}/{n}", f"{r['equal_to_loop_serial']}/{n}",
+             f"{r['load_before']:.2f} / {r['load_after']:.2f}"]
+            for name, r in rows.items()]
+    return R.md_table(["configuration", "wall s", "tokens", "tokens/s", "vs loop-serial", "tokens/target pass",
+                       "by our loop", "valid", "= batch-serial", "= loop-serial", "load avg before / after"], body,
+                      right=range(1, 11))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from specgrammar_mlx_lm.blas import preloaded, reexec_with_openblas
+
+    reexec_with_openblas("specgrammar_plugins.bench.mlx_server", argv)
+    from . import _report as R
+
+    ap = argparse.ArgumentParser(prog="specgrammar bench mlx_server", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", choices=("tiny", "smollm2-135m"),
+                    help="tiny (the bundled pair, default) or smollm2-135m (the real model with its draft)")
+    ap.add_argument("--n", type=int, default=None, help="requests (default 8; quick 4)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 64; quick 32")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per round of our loop (--num-draft-tokens)")
+    ap.add_argument("--reps", type=int, default=1, help="runs of each configuration; the fastest is reported (the "
+                                                        "least disturbed on a shared machine; all walls in the JSON)")
+    R.add_common_args(ap, "mlx_server")
+    args = ap.parse_args(argv)
+    n = args.n or (4 if args.quick else 8)
+    max_tokens = args.max_tokens or (32 if args.quick else 64)
+    print(f"BLAS: {preloaded() or 'reference (mlx wheel default; apt-get install -y libopenblas0-pthread)'}")
+    rep = R.Report("mlx_server", args, argv)
+    with tempfile.TemporaryDirectory(prefix="specgrammar-bench-mlx-server-") as tmp:
+        result = run(args.model, n, max_tokens, args.k, Path(tmp), reps=max(1, args.reps))
+    print()
+    print(table(result))
+    print(f"\n{time.perf_counter() - rep.t0:.0f}s; command: specgrammar bench mlx_server " + " ".join(argv))
+    rep.write({**result, "blas": preloaded()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

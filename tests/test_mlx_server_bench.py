@@ -1,0 +1,39 @@
+"""``specgrammar bench mlx_server --quick``: the benchmark of concurrent JSON Schema requests over HTTP (two servers on
+the tiny pair) runs and its figures hold what they claim."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from test_mlx_common import tiny_model_dirs
+
+pytest.importorskip("mlx_lm")
+
+
+def test_bench_mlx_server_quick(tmp_path):
+    """``specgrammar bench mlx_server --quick`` (two servers on the tiny pair): every output valid in every
+    configuration, each batched greedy answer equal to the same request served alone without drafts, our loop's
+    tokens per target pass read from the server's log (every serial request on the draft server is its), and
+    finite figures."""
+    import math
+
+    from specgrammar_plugins.bench import mlx_server
+
+    tiny_model_dirs()
+    # in a process of its own: the benchmark re-executes itself with OpenBLAS preloaded
+    r = subprocess.run([sys.executable, "-m", "specgrammar_plugins.bench.mlx_server", "--quick", "--out-dir",
+                        str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "mlx_server.json").read_text())
+    n, rows = doc["n"], doc["rows"]
+    assert set(rows) == set(mlx_server.CONFIGS)
+    for name, r in rows.items():
+        assert r["valid"] == n, (name, r["texts"])
+        assert r["tokens"] > 0 and math.isfinite(r["tokens_per_s"]) and r["wall_s"] > 0
+    assert rows["batch-concurrent"]["equal_to_batch_serial"] == n
+    assert rows["draft-concurrent"]["equal_to_batch_serial"] >= n - rows["draft-concurrent"]["served_by_loop"]
+    assert rows["loop-serial"]["served_by_loop"] == n and rows["loop-serial"]["tokens_per_pass_mean"] > 1.0
