@@ -3,9 +3,11 @@
 # pytest's exit code 5 (no tests collected) counts as success.
 #
 # The suite runs on pytest-xdist workers, a file's tests on one worker (tests/conftest.py groups them, so a
-# module's server or engine starts once): one worker per core, at most one per 16 GB of memory, at most 4. A worker
-# keeps what the files it ran allocated (vLLM's in-process engines, the models): two workers on a 24 GB machine
-# reached 13.5 + 11.4 GB and the kernel killed one, so a 24 GB machine runs the suite in one process.  SPECGRAMMAR_TEST_WORKERS=N sets the count (0: no workers, one
+# module's server or engine starts once).  The files that build vLLM engines in the test process share one group,
+# so one worker holds vLLM's memory (~12 GB: vLLM does not give an engine's memory back) and each other worker
+# ~6 GB: a machine gets one worker per core, as many as fit in memory after the first worker's 14 GB by 6 GB each,
+# at most 4 (24 GB: 2 workers; 16 GB: one process).  Before the vLLM files shared a group, two workers on a 24 GB
+# machine reached 13.5 + 11.4 GB and the kernel killed one.  SPECGRAMMAR_TEST_WORKERS=N sets the count (0 or 1: one
 # process); `-n N` or `-p no:xdist` on the command line wins.  `make test-fast` passes `-m "not slow"`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,11 +22,14 @@ case " $* " in
       cores=$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 1)
       mem_gb=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 16)
       workers=$cores
-      [ $((mem_gb / 16)) -lt "$workers" ] && workers=$((mem_gb / 16))
+      fit=$((1 + (mem_gb - 14) / 6))
+      [ "$mem_gb" -lt 14 ] && fit=1
+      [ "$fit" -lt "$workers" ] && workers=$fit
       [ "$workers" -gt 4 ] && workers=4
       [ "$workers" -lt 1 ] && workers=1
     fi
-    [ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadgroup)
+    # a worker the kernel kills ends the run with its error (xdist's replacement worker once hung the run)
+    [ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadgroup --max-worker-restart 0)
     ;;
 esac
 .venv/bin/python -m pytest "${xdist[@]}" "$@"
