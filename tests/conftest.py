@@ -152,8 +152,28 @@ def pytest_collection_modifyitems(config, items):
         name = getattr(item, "originalname", None) or item.name.split("[")[0]
         if fname in SLOW_FILES or name in SLOW_TESTS.get(fname, ()):
             item.add_marker(pytest.mark.slow)
-        # pytest-xdist (`--dist loadgroup`, scripts/test.sh): a file's tests stay on one worker, so a module-scoped
-        # server or engine starts once, unless a test names a group of its own.  The files that hold vLLM engines
-        # in the test process share one group, so one worker holds vLLM's memory and the others do not.
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(VLLM_IN_PROCESS_GROUP if fname in VLLM_IN_PROCESS else fname))
+
+
+def work_unit(nodeid: str) -> str:
+    """What pytest-xdist hands one worker at a time (scripts/test.sh): a test file, so a module-scoped server or
+    engine starts once, except that the files building vLLM engines in the test process are one unit, so one worker
+    holds vLLM's memory and the others do not."""
+    path = nodeid.split("::", 1)[0]
+    return VLLM_IN_PROCESS_GROUP if path.rsplit("/", 1)[-1] in VLLM_IN_PROCESS else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` (scripts/test.sh) by ``work_unit``.  Not by ``xdist_group`` marks: pytest-xdist 3.8
+    puts a test's group into ``item._nodeid``, which pytest 9.2 no longer reads (a node's id is ``item._id``), so
+    the marks did nothing and every test went to whichever worker was free; two workers then each built every vLLM
+    engine and the kernel killed one at 24 GB."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)

@@ -41,3 +41,27 @@ def test_every_file_that_builds_a_vllm_engine_in_process_shares_the_vllm_group()
                                                 f"{sorted(builds - conftest.VLLM_IN_PROCESS)}"
     missing = [f for f in conftest.VLLM_IN_PROCESS if not (TESTS / f).exists()]
     assert not missing, f"conftest.VLLM_IN_PROCESS lists files that are not in tests/: {missing}"
+
+
+def test_a_files_tests_run_on_one_xdist_worker():
+    """scripts/test.sh's ``--dist loadgroup`` keeps a file on one worker (conftest.pytest_xdist_make_scheduler).
+    pytest-xdist 3.8's own groups never reached its scheduler under pytest 9.2 (it writes ``item._nodeid``, which
+    pytest 9 no longer reads): every test went to whichever worker was free, and two workers each built every vLLM
+    engine (24 GB, one killed).  Run for real: two workers, this file's tests, each on the same worker."""
+    import importlib.util
+    import re
+    import subprocess
+    import sys
+
+    import pytest
+
+    if importlib.util.find_spec("xdist") is None:
+        pytest.skip("pytest-xdist is not installed")
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
+                        "-v", str(TESTS / "test_tiers.py"), "-k", "not xdist_worker"],
+                       capture_output=True, text=True, timeout=300, cwd=TESTS.parent)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    workers = set(re.findall(r"\[(gw\d+)\] \[\s*\d+%\] PASSED", p.stdout))
+    assert len(re.findall(r"PASSED", p.stdout)) >= 3 and len(workers) == 1, p.stdout[-2000:]
+    assert {conftest.work_unit("tests/test_vllm_adapter.py::t"),
+            conftest.work_unit("tests/test_real_model.py::t[x]")} == {conftest.VLLM_IN_PROCESS_GROUP}
