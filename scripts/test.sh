@@ -2,13 +2,13 @@
 # Runs the layers check (import-linter, contracts in pyproject.toml) and the test suite in .venv;
 # pytest's exit code 5 (no tests collected) counts as success.
 #
-# The suite runs on pytest-xdist workers, a file's tests on one worker (tests/conftest.py groups them, so a
-# module's server or engine starts once).  The files that build vLLM engines in the test process share one group,
-# so one worker holds vLLM's memory (~12 GB: vLLM does not give an engine's memory back) and each other worker
-# ~6 GB: a machine gets one worker per core, as many as fit in memory after the first worker's 14 GB by 6 GB each,
-# at most 4 (24 GB: 2 workers; 16 GB: one process).  Before the vLLM files shared a group, two workers on a 24 GB
-# machine reached 13.5 + 11.4 GB and the kernel killed one.  SPECGRAMMAR_TEST_WORKERS=N sets the count (0 or 1: one
-# process); `-n N` or `-p no:xdist` on the command line wins.  `make test-fast` passes `-m "not slow"`.
+# The suite runs on pytest-xdist workers where memory allows, a file's tests on one worker (tests/conftest.py's
+# scheduler, so a module's server or engine starts once), and the files that build vLLM engines in the test process
+# on one worker together, so one worker holds vLLM's memory.  Measured on the 2-core, 24 GB machine (2026-11-26): that
+# worker reached 15 GB, the other 5.5 GB, and the servers the tests start ~3-4 GB more, and the kernel killed the
+# first.  So a machine gets one worker per core, as many as fit after the first worker's 20 GB by 8 GB each, at most
+# 4: 24 GB runs the suite in one process, 28 GB on two workers.  SPECGRAMMAR_TEST_WORKERS=N sets the count (0 or 1:
+# one process); `-n N` or `-p no:xdist` on the command line wins.  `make test-fast` passes `-m "not slow"`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export TOKENIZERS_PARALLELISM=false VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
@@ -22,8 +22,8 @@ case " $* " in
       cores=$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 1)
       mem_gb=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 16)
       workers=$cores
-      fit=$((1 + (mem_gb - 14) / 6))
-      [ "$mem_gb" -lt 14 ] && fit=1
+      fit=$((1 + (mem_gb - 20) / 8))
+      [ "$mem_gb" -lt 20 ] && fit=1
       [ "$fit" -lt "$workers" ] && workers=$fit
       [ "$workers" -gt 4 ] && workers=4
       [ "$workers" -lt 1 ] && workers=1

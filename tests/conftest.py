@@ -107,9 +107,9 @@ SLOW_FILES = {
     "test_vllm_budget.py",  # a plain and a speculative vLLM engine
     "test_real_model.py", "test_real_drafting.py", "test_real_draft.py",  # SmolLM2-135M through every host
 }
-# The files that build vLLM engines in the test process (vllm.LLM, the offline helpers): one xdist group (above).
-# A process that has run them holds ~10-12 GB (vLLM does not give its engines' memory back); the rest of the suite
-# holds ~5 GB.  scripts/test.sh sizes its workers by these figures.
+# The files that build vLLM engines in the test process (vllm.LLM, the offline helpers): one xdist work unit (work_unit, below).
+# A process that has run them holds ~15 GB (vLLM does not give its engines' memory back); the rest of the suite
+# holds ~5-6 GB (measured: 15 GB and 5.5 GB).  scripts/test.sh sizes its workers by these figures.
 VLLM_IN_PROCESS = {"test_models_hosts.py", "test_real_model.py", "test_vllm_adapter.py", "test_vllm_budget.py",
                    "test_vllm_draft_model.py", "test_vllm_proposer.py", "test_vllm_ranks.py"}
 VLLM_IN_PROCESS_GROUP = "vllm-in-process"
