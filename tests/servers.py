@@ -57,15 +57,9 @@ class Launched:
         return self.proc.pid
 
     def stop(self) -> None:
-        import signal
+        from specgrammar_plugins.testing import stop_server
 
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_server(self.proc)
         if self._fh:
             self._fh.close()
 

@@ -1,4 +1,4 @@
-"""Helpers for tests: a pure-numpy "model" with a cache, and exact law enumeration.
+"""Helpers for tests: a pure-numpy "model" with a cache, exact law enumeration, and stopping a server process.
 
 ``MarkovRunner`` is a fixed random table: the logits at a position depend only on the last two tokens (hashed
 into a seeded generator), so batched and one-at-a-time forwards give bit-identical logits.  It is a test double
@@ -222,3 +222,19 @@ class CountingMatcher:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def stop_server(proc) -> None:
+    """Stop a server started in its own session (``start_new_session=True``): SIGINT, so it shuts down as on
+    Ctrl-C, then SIGKILL to its whole process group after 30 s (the tests' and the benchmarks' servers)."""
+    import os
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)

@@ -117,15 +117,9 @@ class _Server:
         return [(int(a), int(b)) for a, b in _LOOP_LINE.findall(self.log.read_text())]
 
     def stop(self) -> None:
-        import signal
+        from ..testing import stop_server
 
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_server(self.proc)
         self._fh.close()
 
 
