@@ -56,16 +56,22 @@ def warm():
         compile_constraint(ConstraintSpec.regex("[ab]"), TOK, engine=engine)
 
 
+def in_time(wall: float, cpu: float) -> None:
+    """Answered within the deadline + 1 s: its CPU limit (this process's CPU, or the wall-clock time where that is
+    less) and its wall-clock backstop (``bounds.Deadline``: a loaded machine stretches the wall-clock time alone)."""
+    assert min(wall, cpu) < LIMITS.prepare_timeout_s + SLACK_S, f"answered after {wall:.1f} s, {cpu:.1f} s of CPU"
+    assert wall < LIMITS.wall_s() + SLACK_S, f"answered after {wall:.1f} s"
+
+
 def answered(body: dict, error=SpecGrammarError, match: str | None = None):
-    t = time.monotonic()
+    t, c = time.monotonic(), time.process_time()
     if error is None:
         out = prepare(body)
     else:
         with pytest.raises(error, match=match) as e:
             prepare(body)
         out = e.value
-    took = time.monotonic() - t
-    assert took < LIMITS.prepare_timeout_s + SLACK_S, f"answered after {took:.1f} s"
+    in_time(time.monotonic() - t, time.process_time() - c)
     return out
 
 
@@ -81,18 +87,18 @@ CHILD = textwrap.dedent("""
             __import__(engine)
         except ImportError:
             pass
-    t0 = time.monotonic()
+    t0, c0 = time.monotonic(), time.process_time()
     try:
         t.prepare(body)
         out = "ok"
     except Exception as e:
         out = type(e).__name__ + ": " + str(e)
-    s = time.monotonic() - t0
+    s, cpu = time.monotonic() - t0, time.process_time() - c0
     # The peak RSS of this process's own memory (VmHWM).  Not getrusage's ru_maxrss: Linux carries that across
     # execve from the parent (a pytest process holding 5 GB reported 5 GB here in a CI run).
     with open("/proc/self/status") as f:
         hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-    print(json.dumps({{"s": s, "rss_mb": hwm_kb / 1024, "out": out}}))
+    print(json.dumps({{"s": s, "cpu": cpu, "rss_mb": hwm_kb / 1024, "out": out}}))
 """)
 
 
@@ -117,7 +123,7 @@ def in_child(body: dict) -> dict:
 def test_memory_bombs_are_refused_before_any_work(name, body, words):
     r = in_child({"messages": M, "max_tokens": 16, **body})
     assert words in r["out"] and "ConstraintError" in r["out"], r
-    assert r["s"] < LIMITS.prepare_timeout_s + SLACK_S, r
+    in_time(r["s"], r["cpu"])
     assert r["rss_mb"] < 1024, r  # the child's whole RSS (Python, numpy and the engines): nothing was expanded
 
 
@@ -254,9 +260,9 @@ def test_a_client_chat_template_is_off_unless_allowed(where):
 
 
 def test_a_20000_option_choice_is_answered_within_the_deadline():
-    t = time.monotonic()
+    t, c = time.monotonic(), time.process_time()
     try:
         prepare({"messages": M, "max_tokens": 64, "choice": [f"option{i}" for i in range(20000)]})
-    except ConstraintError as e:  # on a loaded machine: the deadline, named
+    except ConstraintError as e:  # on a heavily loaded machine: the deadline's wall-clock backstop, named
         assert "preparation time limit" in str(e)
-    assert time.monotonic() - t < LIMITS.prepare_timeout_s + SLACK_S
+    in_time(time.monotonic() - t, time.process_time() - c)

@@ -25,10 +25,6 @@ from specgrammar_plugins.workloads import STRUCTURED, constraint, examples, is_v
 from specgrammar_plugins.workloads import JSON_EXTRACTION_SCHEMA, TOOL_CALL_SCHEMA  # noqa: E402
 
 MAX_TOKENS = 64
-# These tests check answers, not the preparation deadline (tests/test_mlx_server_batch.py, test_hostile*): on a
-# shared 2-core machine (load average 17-24 seen) a new regex's exact budget, ~0.7 s of CPU alone, overran the
-# default 5 s and the request got its 400.
-PREPARE_ENV = {"SPECGRAMMAR_PREPARE_TIMEOUT_S": "120"}
 
 
 class Server:
@@ -93,7 +89,7 @@ def _refs(references, workload, n=3):
 def server(request, patched_root, tmp_path_factory):
     tiny_model_dirs()
     srv = Server(launch_mlx(tmp_path_factory.mktemp(f"server-{request.param}"), draft=request.param == "draft",
-                            max_tokens=MAX_TOKENS, root=patched_root, env=PREPARE_ENV))
+                            max_tokens=MAX_TOKENS, root=patched_root))
     srv.mode = request.param
     yield srv
     srv.stop()

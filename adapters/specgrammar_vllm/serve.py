@@ -145,11 +145,8 @@ def _warm(deadline) -> None:
     """Wait for the gate's warm-up, outside the request's deadline (the process's one-time set-up is not a
     request's preparation); only constrained requests wait (nothing else compiles)."""
     if not WARM.is_set():
-        import time
-
-        t0 = time.monotonic()
-        WARM.wait(WARM_S)
-        deadline.end += time.monotonic() - t0
+        with deadline.excluded():
+            WARM.wait(WARM_S)
 
 
 WARM = threading.Event()

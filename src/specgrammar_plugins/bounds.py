@@ -22,11 +22,16 @@ the limit and its variable.  The limits (``bounds.BOUNDS``, environment variable
   shortest string of each rule's longest alternative.  A forced string (jump-forward) is a prefix of every
   completion, and in a grammar where no rule reaches itself each rule is on the stack at most once, so no
   forced string is longer than this sum; it is also the cap every ``jump_forward`` call is cut at;
-- ``prepare_timeout_s`` (5 s; ``SPECGRAMMAR_PREPARE_TIMEOUT_S``): the request's deadline (``Deadline``).
+- ``prepare_timeout_s`` (5 s; ``SPECGRAMMAR_PREPARE_TIMEOUT_S``): the CPU time a request's preparation may use
+  (``Deadline``), and ``prepare_wall_s`` (``SPECGRAMMAR_PREPARE_WALL_S``; default 6 x the CPU limit, 30 s): its
+  wall-clock backstop.
 
 ``Deadline``: one per request (``prepare_deadline()`` opens it on the current thread, and the compile, the exact
 budget's DFA, the certified budget's walk read it); a piece of preparation called outside one gets a deadline of
-its own of the same length.  An overrun is a ``ConstraintError`` naming the limit and the part that overran.
+its own of the same length.  It charges the request the CPU time of its own work: the preparing thread, and a
+compile thread or compile worker process while it compiles for it (``/proc/<pid>/stat``), so that waiting for a
+core on a loaded machine does not count, and the wall-clock backstop bounds what waits without burning CPU.  An
+overrun is a ``ConstraintError`` naming the limit and the part that overran.
 """
 
 from __future__ import annotations
@@ -59,10 +64,20 @@ class CostLimits:
     max_items: int = int(os.environ.get("SPECGRAMMAR_MAX_ITEMS", 10_000))
     max_forced_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_FORCED_BYTES", 1 << 20))
     prepare_timeout_s: float = float(os.environ.get("SPECGRAMMAR_PREPARE_TIMEOUT_S", 5.0))
+    prepare_wall_s: float = float(os.environ.get("SPECGRAMMAR_PREPARE_WALL_S", 0.0))  # 0: WALL_FACTOR x the CPU limit
     allow_client_chat_template: bool = os.environ.get("SPECGRAMMAR_ALLOW_CLIENT_CHAT_TEMPLATE", "0") == "1"
     max_chat_template_bytes: int = int(os.environ.get("SPECGRAMMAR_MAX_CHAT_TEMPLATE_BYTES", 64 << 10))
 
 
+    def wall_s(self) -> float:
+        """The preparation's wall-clock backstop: ``prepare_wall_s``, else ``WALL_FACTOR`` x the CPU limit."""
+        return self.prepare_wall_s if self.prepare_wall_s > 0 else WALL_FACTOR * self.prepare_timeout_s
+
+    def wall_factor(self) -> float:
+        return self.wall_s() / self.prepare_timeout_s if self.prepare_timeout_s > 0 else WALL_FACTOR
+
+
+WALL_FACTOR = 6.0
 BOUNDS = CostLimits()
 
 
@@ -71,24 +86,202 @@ def _limits() -> CostLimits:
 
 
 # ------------------------------------------------------------------------------------------- the deadline
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+SLICE_S = 0.05  # how often a wait on another thread or process looks at the deadline
+
+
+def thread_cpu():
+    """A reader of the current thread's CPU seconds that any thread may call (None once the thread has ended): the
+    clock id is taken now, on the thread itself, so a later read never touches a finished thread's handle."""
+    try:
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+    except AttributeError:  # pragma: no cover - a platform without per-thread clocks: this thread's time only
+        return time.thread_time
+
+    def read() -> float | None:
+        try:
+            return time.clock_gettime(clock)
+        except OSError:  # the thread has ended
+            return None
+
+    return read
+
+
+def process_cpu(pid: int) -> float | None:
+    """The CPU seconds (user + system, all threads) process ``pid`` has used, from ``/proc/<pid>/stat``; None when it
+    cannot be read (gone, or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rindex(b")") + 2:].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (fields 14 and 15 of proc(5))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _Meter:
+    """One source of CPU time charged to a request: a thread or a process, from its reading when it was attached."""
+
+    __slots__ = ("read", "base", "last")
+
+    def __init__(self, read):
+        self.read = read
+        self.base = self.last = read() or 0.0
+
+    def used(self) -> float:
+        now = self.read()
+        if now is not None:
+            self.last = now
+        return self.last - self.base
+
+
 class Deadline:
-    """A point in time by which a request's preparation must be done."""
+    """The limits on one request's preparation: ``seconds`` of CPU time (``SPECGRAMMAR_PREPARE_TIMEOUT_S``, 5 s)
+    and a wall-clock backstop ``wall_seconds`` (``SPECGRAMMAR_PREPARE_WALL_S``; default 6 x the CPU limit, 30 s).
 
-    def __init__(self, seconds: float | None = None):
-        self.seconds = float(_limits().prepare_timeout_s if seconds is None else seconds)
-        self.end = time.monotonic() + self.seconds
+    A request is charged the CPU its own preparation uses: the thread that opened the deadline, a compile thread
+    while it compiles for it (``charging``), a compile worker process while it compiles for it
+    (``charging_process``); not the CPU other requests and other jobs take from the machine.  So an ordinary
+    request on a loaded machine is not refused for waiting for a core (the wall-clock deadline refused 16 of 40
+    dev-split schemas at load ~28), while one that burns CPU is refused as on an idle machine.  The backstop bounds
+    a request that waits without burning CPU (for a free compile worker, for a starved core), so nothing takes
+    unbounded time under load.  ``part(s)`` is a share of it (a compile's own limit, the exact budget's half):
+    the same meters, its own smaller limits."""
 
-    def remaining(self) -> float:
+    def __init__(self, seconds: float | None = None, wall_seconds: float | None = None, *,
+                 _parent: "Deadline | None" = None):
+        lim = _limits()
+        self.seconds = float(lim.prepare_timeout_s if seconds is None else seconds)
+        if wall_seconds is None:
+            wall_seconds = lim.wall_s() if seconds is None else self.seconds * lim.wall_factor()
+        self.wall_seconds = float(wall_seconds)
+        self.end = time.monotonic() + self.wall_seconds  # the wall-clock backstop (moved on by ``excluded``)
+        self._parent = _parent
+        self._root: Deadline = _parent._root if _parent is not None else self
+        if _parent is None:
+            self._lock = threading.Lock()
+            self._meters: tuple[_Meter, ...] = ()  # replaced, never changed in place: read without the lock
+            self._done = 0.0  # CPU of meters detached
+            self._excluded = 0.0  # CPU spent in ``excluded`` sections
+            self._attach(_Meter(thread_cpu()))  # the thread that opened it
+            self._base = 0.0
+        else:
+            self._base = self._root.cpu_used()
+
+    # -- the meters (kept on the root: a part shares them)
+    def _attach(self, meter: _Meter) -> _Meter:
+        root = self._root
+        with root._lock:
+            root._meters = (*root._meters, meter)
+        return meter
+
+    def _detach(self, meter: _Meter) -> None:
+        root = self._root
+        with root._lock:
+            if meter in root._meters:
+                root._meters = tuple(m for m in root._meters if m is not meter)
+                root._done += meter.used()
+
+    @contextlib.contextmanager
+    def charging(self) -> Iterator[None]:
+        """The current thread's CPU counts against this deadline while inside (a compile thread working for it)."""
+        key = self._attach(_Meter(thread_cpu()))
+        try:
+            yield
+        finally:
+            self._detach(key)
+
+    @contextlib.contextmanager
+    def charging_process(self, pid: int) -> Iterator[None]:
+        """Process ``pid``'s CPU counts against this deadline while inside (a compile worker working for it)."""
+        key = self._attach(_Meter(lambda: process_cpu(pid)))
+        try:
+            yield
+        finally:
+            self._detach(key)
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Neither the CPU nor the wall-clock time spent inside counts (a process's one-time set-up: an engine's
+        import, a compile worker's start, a server's warm-up)."""
+        root = self._root
+        cpu0, t0 = root.cpu_used(), time.monotonic()
+        try:
+            yield
+        finally:
+            wall = time.monotonic() - t0
+            cpu = root.cpu_used() - cpu0
+            with root._lock:
+                root._excluded += cpu
+            d: Deadline | None = self
+            while d is not None:  # the backstops of this part and of the parts it is in
+                d.end += wall
+                d = d._parent
+
+    # -- reading it
+    def cpu_used(self) -> float:
+        """CPU seconds charged to this deadline (a part: since it was made)."""
+        root = self._root
+        total = root._done - root._excluded
+        for m in root._meters:
+            total += m.used()
+        return total - self._base
+
+    def cpu_left(self) -> float:
+        return self.seconds - self.cpu_used()
+
+    def wall_left(self) -> float:
         return self.end - time.monotonic()
 
+    def remaining(self) -> float:
+        """The smaller of the CPU and the wall-clock time left (a lower bound of how long the work may go on)."""
+        return min(self.cpu_left(), self.wall_left())
+
+    def expired(self) -> str | None:
+        """None while in time; else which limit is past: ``"cpu"`` or ``"wall"`` (this deadline's or a parent's)."""
+        now = time.monotonic()
+        d: Deadline | None = self
+        while d is not None:
+            if now > d.end:
+                return "wall"
+            d = d._parent
+        used = self._root.cpu_used()  # (the root's: each part's own is this less its base)
+        d = self
+        while d is not None:
+            if used - d._base > d.seconds:
+                return "cpu"
+            d = d._parent
+        return None
+
+    def overrun(self, part: str, *, engine: str | None = None, kind: str | None = None,
+                which: str | None = None) -> ConstraintError:
+        """The error for an overrun of ``part`` (``which``: the limit that was past; default: the one now past)."""
+        which = which or self.expired() or "cpu"
+        d = self._root
+        if which == "wall":
+            return ConstraintError(f"preparing this request took longer than {d.wall_seconds:g} s of wall-clock time "
+                                   "(the preparation time limit's wall-clock backstop, SPECGRAMMAR_PREPARE_WALL_S); "
+                                   f"the part that overran: {part}", engine=engine, kind=kind)
+        return overrun(d.seconds, part, engine=engine, kind=kind)
+
     def check(self, part: str, *, engine: str | None = None, kind: str | None = None) -> None:
-        if time.monotonic() > self.end:
-            raise overrun(self.seconds, part, engine=engine, kind=kind)
+        which = self.expired()
+        if which is not None:
+            raise self.overrun(part, engine=engine, kind=kind, which=which)
+
+    def part(self, cpu_seconds: float) -> "Deadline":
+        """A share of this deadline: at most ``cpu_seconds`` more CPU, and a wall-clock backstop in the same ratio,
+        both within this one's (a compile's own time limit, the exact budget's half)."""
+        cpu = max(0.0, min(cpu_seconds, self.cpu_left()))
+        factor = self.wall_seconds / self.seconds if self.seconds > 0 else 1.0
+        child = Deadline(cpu, min(self.wall_left(), cpu * factor), _parent=self)
+        return child
 
 
 def overrun(seconds: float, part: str, *, engine: str | None = None, kind: str | None = None) -> ConstraintError:
-    return ConstraintError(f"preparing this request took longer than {seconds:g} s (the preparation time limit, "
-                           f"SPECGRAMMAR_PREPARE_TIMEOUT_S); the part that overran: {part}", engine=engine, kind=kind)
+    return ConstraintError(f"preparing this request used more than {seconds:g} s of CPU time (the preparation time "
+                           f"limit, SPECGRAMMAR_PREPARE_TIMEOUT_S); the part that overran: {part}", engine=engine,
+                           kind=kind)
 
 
 def current() -> Deadline | None:
@@ -566,7 +759,7 @@ def check_text(value, where: str) -> None:
 
 
 __all__ = ["Deadline", "check_cost", "check_text", "current", "deadline", "gbnf_lengths", "gbnf_parse",
-           "gbnf_shortest", "overrun", "prepare_deadline"]
+           "gbnf_shortest", "overrun", "prepare_deadline", "process_cpu", "thread_cpu"]
 
 
 # ------------------------------------------------------------------------------------------- against the budget

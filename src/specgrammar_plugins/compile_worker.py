@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 
+from .bounds import SLICE_S
 from .errors import ConstraintError
 
 STARTUP_S = 120.0  # a worker's start-up and tokenizer upload are not part of the compile time limit
@@ -184,10 +185,11 @@ class WorkerPool:
         self.killed = 0  # workers killed for running past the limit (for tests and logs)
         self.last_killed_pid: int | None = None
 
-    def _acquire(self, timeout: float | None = None) -> Worker | None:
+    def _acquire(self, timeout: float | None = None, deadline=None) -> Worker | None:
         """An idle worker, or a new one while fewer than ``max_workers`` exist; None when none is free within
         ``timeout`` seconds (None: wait as long as it takes).  A compile (``timeout`` given) starts no worker
-        while one is starting in the background: it waits for that one, within its time."""
+        while one is starting in the background: it waits for that one, within its time.  A new worker's start
+        is left out of ``deadline`` (``Deadline.excluded``)."""
         with self._cv:
             if not self._cv.wait_for(lambda: self._idle or (self._count < self.max_workers and not (
                     timeout is not None and self._starting)), timeout):
@@ -196,7 +198,10 @@ class WorkerPool:
                 return self._idle.pop()
             self._count += 1
         try:
-            return Worker()
+            if deadline is None:
+                return Worker()
+            with deadline.excluded():
+                return Worker()
         except BaseException:
             self._drop()
             raise
@@ -211,37 +216,49 @@ class WorkerPool:
             self._count -= 1
             self._cv.notify()
 
-    def compile(self, eng, spec, tokenizer, options: dict, timeout: float):
-        """Compile ``spec`` with ``eng`` in a worker within ``timeout`` seconds (see the module docstring)."""
+    def compile(self, eng, spec, tokenizer, options: dict, timeout: float, deadline=None):
+        """Compile ``spec`` with ``eng`` in a worker within ``timeout`` wall-clock seconds, or, given the request's
+        ``deadline`` (a ``bounds.Deadline``: its share for this compile), until that is past, the worker's CPU
+        charged to it (see the module docstring)."""
         import time
 
-        end = time.monotonic() + timeout  # the wait for a worker counts: never past the limit
-        w = self._acquire(timeout)
+        if deadline is None:
+            from .bounds import Deadline
+
+            deadline = Deadline(timeout, timeout)  # (wall-clock alone: no CPU limit past the wall-clock one)
+            deadline.seconds = float("inf")
+        w = self._acquire(max(0.0, deadline.wall_left()), deadline)  # the wait for a worker counts: never past
         if w is None:
-            raise ConstraintError(f"compiling took longer than {timeout:g} s (the compile time limit): no compile "
-                                  "worker was free (others compiling, or one starting after a kill)",
-                                  engine=eng.name, kind=spec.kind)
+            raise ConstraintError(f"compiling took longer than {deadline.wall_seconds:g} s (the compile time "
+                                  "limit): no compile worker was free (others compiling, or one starting after a "
+                                  "kill)", engine=eng.name, kind=spec.kind)
         keep = False
         try:
             key = (tokenizer.fingerprint, tokenizer.vocab_size)
-            t_setup = time.monotonic()
-            if key not in w.toks:
-                self._seen.setdefault(key, dataclasses.replace(tokenizer, encode=None))
-                if w.call(("tok", key, self._seen[key]), STARTUP_S) is None:
-                    raise ConstraintError("the compile worker did not take the tokenizer", engine=eng.name)
-                w.toks.add(key)
-            if (eng.name, key) not in w.toks:
-                if w.call(("prep", eng.name, key), STARTUP_S) is None:
-                    raise ConstraintError("the compile worker did not load the engine", engine=eng.name)
-                w.toks.add((eng.name, key))
-                self._preps.add((eng.name, key))
-            end += time.monotonic() - t_setup  # a first tokenizer upload and engine load are not the compile's
-            reply = w.call(("compile", eng.name, spec, key, options), max(0.0, end - time.monotonic()))
+            with deadline.excluded():  # a first tokenizer upload and engine load are not the compile's
+                if key not in w.toks:
+                    self._seen.setdefault(key, dataclasses.replace(tokenizer, encode=None))
+                    if w.call(("tok", key, self._seen[key]), STARTUP_S) is None:
+                        raise ConstraintError("the compile worker did not take the tokenizer", engine=eng.name)
+                    w.toks.add(key)
+                if (eng.name, key) not in w.toks:
+                    if w.call(("prep", eng.name, key), STARTUP_S) is None:
+                        raise ConstraintError("the compile worker did not load the engine", engine=eng.name)
+                    w.toks.add((eng.name, key))
+                    self._preps.add((eng.name, key))
+            with deadline.charging_process(w.pid):  # the worker's CPU is this request's while it compiles for it
+                _send(w.proc.stdin, ("compile", eng.name, spec, key, options))
+                while not w.wait(max(0.0, min(SLICE_S, deadline.wall_left()))):
+                    if deadline.expired():
+                        break
+                reply = _recv(w.proc.stdout) if w.wait(0) else None
             if reply is None:
                 self.killed += 1
                 self.last_killed_pid = w.pid
-                raise ConstraintError(f"compiling took longer than {timeout:g} s (the compile time limit); "
-                                      "abandoned: the compiling process was killed", engine=eng.name, kind=spec.kind)
+                limit = (f"{deadline.wall_seconds:g} s" if deadline.seconds == float("inf") else
+                         f"{deadline.seconds:g} s of CPU or {deadline.wall_seconds:g} s of wall-clock time")
+                raise ConstraintError(f"compiling took longer than {limit} (the compile time limit); abandoned: the "
+                                      "compiling process was killed", engine=eng.name, kind=spec.kind)
             keep = True
         except (EOFError, OSError, pickle.UnpicklingError) as e:
             if MAX_BYTES > 0 and _dead(w):  # died mid-compile: a native abort at the memory limit

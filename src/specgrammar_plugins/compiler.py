@@ -114,35 +114,55 @@ _POOL = None
 _SLOW: set[tuple] = set()  # (spec key, tokenizer, engine) that ran out of compile time under "auto"
 
 
-def _compile_with_timeout(eng, spec, tokenizer, options, timeout: float):
+def _compile_with_timeout(eng, spec, tokenizer, options, timeout: float, deadline=None):
+    """``deadline`` (a ``bounds.Deadline``, the request's share for this compile): the compile's CPU (this thread's,
+    the compile thread's or the worker process's) and wall-clock time are charged to it, and it is abandoned when
+    the deadline is past; without one, ``timeout`` is wall-clock seconds."""
     global _POOL
     prepare = getattr(eng, "prepare", None)
     if prepare is not None:
         # the engine's per-tokenizer set-up (its import, vocabulary index: importing xgrammar imports
         # transformers, 5-15 s on a loaded 2-core machine) is not the grammar's compile: outside the limit
         prepare(tokenizer)
-    if timeout is None or timeout <= 0:
+    if deadline is None and (timeout is None or timeout <= 0):
         return eng.compile(spec, tokenizer, options)
     if LIMITS.compile_isolation not in ("process", "thread"):
         raise ConstraintError(f"compile_isolation must be 'process' or 'thread', got {LIMITS.compile_isolation!r}")
     if LIMITS.compile_isolation == "process" and getattr(eng, "isolate", False):
         from .compile_worker import POOL
 
-        return POOL.compile(eng, spec, tokenizer, options, timeout)
+        return POOL.compile(eng, spec, tokenizer, options, timeout, deadline=deadline)
     # a thread: the "thread" setting, or an engine with limits of its own (llguidance) under "process", which
     # compiles in-process by design (it used to fall through to the error above: "got 'process'")
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
 
         _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="specgrammar-compile")
-    fut = _POOL.submit(eng.compile, spec, tokenizer, options)
     from concurrent.futures import TimeoutError as FutTimeout
 
-    try:
-        return fut.result(timeout=timeout)
-    except FutTimeout:
-        raise ConstraintError(f"compiling took longer than {timeout:g} s (the compile time limit); abandoned",
-                              engine=getattr(eng, "name", None), kind=spec.kind) from None
+    if deadline is None:
+        fut = _POOL.submit(eng.compile, spec, tokenizer, options)
+        try:
+            return fut.result(timeout=timeout)
+        except FutTimeout:
+            raise ConstraintError(f"compiling took longer than {timeout:g} s (the compile time limit); abandoned",
+                                  engine=getattr(eng, "name", None), kind=spec.kind) from None
+
+    def charged():
+        with deadline.charging():  # the compile thread's CPU is the request's while it compiles for it
+            return eng.compile(spec, tokenizer, options)
+
+    fut = _POOL.submit(charged)
+    from .bounds import SLICE_S
+
+    while True:
+        try:
+            return fut.result(timeout=SLICE_S)
+        except FutTimeout:
+            if deadline.expired():
+                raise ConstraintError(f"compiling used more than {deadline.seconds:g} s of CPU or "
+                                      f"{deadline.wall_seconds:g} s of wall-clock time (the compile time limit); "
+                                      "abandoned", engine=getattr(eng, "name", None), kind=spec.kind) from None
 
 
 # The engine policy ``engine="auto"``: per constraint kind, the engines to try in order (first that
@@ -239,25 +259,23 @@ def _compile_checked(spec: ConstraintSpec, tokenizer: TokenizerInfo, engine: str
     if spec.kind == "json_schema":
         target, rewrites = _rewritten_schema(target, engine)
     eng = get_engine(engine)
-    from .bounds import current, overrun
+    from .bounds import current
 
     limit = LIMITS.compile_timeout_s if _timeout is None else _timeout
     d = current()  # the request's deadline (bounds.prepare_deadline), when the host opened one
     prepare = getattr(eng, "prepare", None)
     if prepare is not None and d is not None:  # the engine's per-tokenizer set-up (its import: seconds, once per
-        t_prep = time.monotonic()  # process) is not the request's work: the deadline moves by what it took
-        prepare(tokenizer)
-        d.end += time.monotonic() - t_prep
-    by_deadline = d is not None and d.remaining() < limit
-    if by_deadline:
-        limit = d.remaining()
-        if limit <= 0:
-            raise overrun(d.seconds, "compiling the constraint", engine=engine, kind=spec.kind)
+        with d.excluded():  # process) is not the request's work: neither its CPU nor its wall-clock time counts
+            prepare(tokenizer)
+    part = None
+    if d is not None:  # the compile's own limit, in CPU seconds, as a share of the request's deadline
+        d.check("compiling the constraint", engine=engine, kind=spec.kind)
+        part = d.part(limit)
     try:
-        hit = _compile_with_timeout(eng, target, tokenizer, options, limit)
+        hit = _compile_with_timeout(eng, target, tokenizer, options, limit, deadline=part)
     except ConstraintError as e:
-        if by_deadline and "compile time limit" in e.reason:
-            raise overrun(d.seconds, "compiling the constraint", engine=engine, kind=spec.kind) from None
+        if d is not None and "compile time limit" in e.reason and d.expired():
+            raise d.overrun("compiling the constraint", engine=engine, kind=spec.kind) from None
         raise
     except Exception as e:  # an engine's own exception type: report its words under ours
         raise ConstraintError(f"{type(e).__name__}: {e}", engine=engine, kind=spec.kind) from e
