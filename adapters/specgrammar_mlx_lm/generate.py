@@ -75,6 +75,12 @@ def _log_softmax_row(row):
     return row - mx.logsumexp(row, keepdims=True)
 
 
+def stop_ids(tokenizer, tokinfo) -> tuple[int, ...]:
+    """A request's stop tokens: the tokenizer's EOS ids and the constraint's (``TokenizerInfo``) stop ids."""
+    eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+    return tuple(sorted(eos | set(tokinfo.stop_token_ids)))
+
+
 def sampling_params(temperature: float | None = None, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                     temp: float | None = None) -> SamplingParams:
     t = temperature if temperature is not None else (temp if temp is not None else 0.0)
@@ -162,8 +168,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
     width = target.vocab_size
     compiled = compile_for(constraint, tokenizer, width, engine) if constraint is not None else None
     tokinfo = compiled.tokenizer if compiled is not None else tokenizer_info(tokenizer, width)
-    eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
-    stops = tuple(stop_token_ids) if stop_token_ids is not None else tuple(sorted(eos | set(tokinfo.stop_token_ids)))
+    stops = tuple(stop_token_ids) if stop_token_ids is not None else stop_ids(tokenizer, tokinfo)
     rng = rng if rng is not None else np.random.default_rng(seed)
     names = tuple(drafters) if drafters is not None else DEFAULT_DRAFTERS
     options = SpecOptions(k=max(0, num_draft_tokens), drafters=names, recipe=recipe, budget=budget, lam=lam,

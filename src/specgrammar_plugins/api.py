@@ -24,15 +24,18 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
 - the batch layer, for hosts that draft for many requests at once and verify themselves (``batch``): ``RequestTable``
   (per-request grammar state, fault isolation, counters), ``BatchDrafter`` (the per-position plan: the host chain
   first, then masked model rows; lazy masks; per-row bookkeeping) with ``Step``, ``Row``, ``Plan``,
-  ``EnoughDrafts`` and the options ``refused_drafts_option`` / ``draft_confidence_option``;
+  ``EnoughDrafts`` and the options ``refused_drafts_option`` / ``draft_confidence_option``; ``BatchLoop`` (batched
+  speculative decoding: one ``SpeculativeLoop`` per request on a ``RowRunner``, one batched target pass per round,
+  each row verified by its own loop, per-row rollback);
 - what a host implements: ``ModelRunner`` (a model with a trimmable KV cache; ``HiddenStatesRunner``: one that also
   hands over its hidden states), ``TokenizerInfo``.
 """
 
 from __future__ import annotations
 
-from .batch import (COUNTERS as BATCH_COUNTERS, DRAFT_CONFIDENCE, GREEDY_T, REFUSED_DRAFTS, BatchDrafter, EnoughDrafts,
-                    Plan, RequestState, RequestTable, Row, Step, draft_confidence_option, refused_drafts_option)
+from .batch import (COUNTERS as BATCH_COUNTERS, DRAFT_CONFIDENCE, GREEDY_T, REFUSED_DRAFTS, BatchDrafter, BatchLoop,
+                    EnoughDrafts, Plan, RequestState, RequestTable, Row, RowRunner, Step, draft_confidence_option,
+                    refused_drafts_option)
 from .block import DraftBlock, Drafter, HiddenStatesRunner, ModelRunner, fill
 from .bounds import prepare_deadline
 from .compile_worker import POOL as COMPILE_POOL
@@ -59,7 +62,7 @@ from .tokenizer import TokenizerInfo
 from .verify import Verdict, verify_block
 
 __all__ = [
-    "BATCH_COUNTERS", "BatchDrafter", "DRAFT_CONFIDENCE", "EnoughDrafts", "GREEDY_T", "HiddenStatesRunner", "Plan",
+    "BATCH_COUNTERS", "BatchDrafter", "BatchLoop", "RowRunner", "DRAFT_CONFIDENCE", "EnoughDrafts", "GREEDY_T", "HiddenStatesRunner", "Plan",
     "REFUSED_DRAFTS", "RequestState", "RequestTable", "Row", "Step", "draft_confidence_option", "refused_drafts_option",
     "BudgetError", "COMPILE_POOL", "Checked", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
     "DraftBlock", "Drafter", "EmptyMaskError", "Forced", "GREEDY", "HistoryMatcher", "Host", "LIMITS", "LawBackend",

@@ -31,6 +31,7 @@ Options (a host reads them from its configuration): ``refused_drafts`` (``REFUSE
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
@@ -546,3 +547,112 @@ class BatchDrafter:
             if r is not None and r.block is not None:
                 r.block.closed = True
 
+
+
+# ---------------------------------------------------------------------------------------------- batched verification
+class RowRunner:
+    """The target as one row of a batched host sees it (a ``ModelRunner`` for the row's ``SpeculativeLoop``): the
+    tokens the host's cache holds for the row, and the rollback the row's verdict asks for (``trim``: counted in
+    ``dropped``, carried out by the host for all rows at once).  ``forward`` is the host's batched pass, never this
+    row's alone (``BatchLoop.step``)."""
+
+    def __init__(self, tokens: Sequence[int], vocab_size: int, tensors: str | None = None):
+        self._tokens = [int(t) for t in tokens]
+        self.vocab_size = vocab_size
+        self.tensors = tensors  # the host's tensor library (the row's law backend: ``laws.for_runner``)
+        self.dropped = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._tokens
+
+    def forward(self, tokens, logits_for=None):
+        raise RuntimeError("a batch row is fed by its host's batched target pass (BatchLoop.step)")
+
+    def fed(self, tokens: Sequence[int]) -> None:
+        self._tokens.extend(int(t) for t in tokens)
+
+    def trim(self, n: int) -> None:
+        if n < 0 or n > len(self._tokens):
+            raise ValueError(f"cannot trim {n} of {len(self._tokens)} tokens")
+        if n:
+            del self._tokens[-n:]
+            self.dropped += n
+
+
+class BatchLoop:
+    """Batched speculative decoding: one ``SpeculativeLoop`` per request (its drafter chain, matcher, budget,
+    sampling law and random stream, built by ``speculation.make_loop`` on a ``RowRunner``), and per round ONE
+    batched target pass over every row's [pending, *drafts] (``target.forward``: the host pads the rows to one
+    length).  Each row is then verified and committed by its own loop (``SpeculativeLoop._judge``: the same
+    accept/residual law and budget check as the serial loop), and the host rolls each row's cache back to what
+    the row kept (``target.rollback(kept)``: per row, the number of this round's fed positions that stay).  A
+    fault in one row's drafting or verdict is that row's alone: it leaves the batch with its error.
+
+    The host's ``target``: ``forward(feeds: list[list[int]]) -> list[logits rows]`` (row i: [len(feeds[i]), V]),
+    ``rollback(kept: list[int])`` and ``remove(keep: list[int])`` (the batch rows that stay, in order), with its
+    rows in the order of ``rows``; ``add`` is called after the host added the request's row, its cache holding
+    prompt[:-1]."""
+
+    def __init__(self, target):
+        self.target = target
+        self.rows: list[tuple[Any, Any]] = []  # (request id, its SpeculativeLoop)
+        self.passes = 0  # batched target passes
+
+    def add(self, req_id, loop) -> None:
+        if not isinstance(loop.target, RowRunner):
+            raise TypeError("a batch row's loop runs on a RowRunner (BatchLoop.runner)")
+        self.rows.append((req_id, loop))
+
+    @staticmethod
+    def runner(prompt: Sequence[int], vocab_size: int, tensors: str | None = None) -> RowRunner:
+        """The row's target, holding prompt[:-1] (the host prefilled it; the last prompt token is pending)."""
+        return RowRunner(list(prompt)[:-1], vocab_size, tensors)
+
+    def step(self) -> list[tuple[Any, Any]]:
+        """One round for every row: [(request id, its ``Commit``, or the exception that failed it)], in row order.
+        Rows that finished or failed leave the batch (``target.remove``)."""
+        blocks: list = []
+        feeds: list[list[int]] = []
+        out: list[tuple[Any, Any]] = []
+        for _, loop in self.rows:
+            try:
+                block = loop._draft()
+                feed = [loop.prompt[-1] if not loop.emitted else loop.emitted[-1], *block.tokens]
+            except Exception as e:  # this row's drafting failed: it is fed its pending token only, then leaves
+                block, feed = e, [loop.prompt[-1] if not loop.emitted else loop.emitted[-1]]
+            blocks.append(block)
+            feeds.append(feed)
+        t_fwd = time.perf_counter_ns()
+        logits = self.target.forward(feeds)
+        self.passes += 1
+        kept, keep = [], []
+        for i, ((req_id, loop), block, feed) in enumerate(zip(self.rows, blocks, feeds)):
+            if isinstance(block, BaseException):
+                out.append((req_id, block))
+                kept.append(0)
+                continue
+            runner = loop.target
+            runner.fed(feed)
+            before = runner.dropped
+            try:
+                c = loop._judge(block, logits[i], t_fwd)
+                loop._settled(c)
+            except Exception as e:
+                out.append((req_id, e))
+                kept.append(0)
+                continue
+            kept.append(len(feed) - (runner.dropped - before))
+            out.append((req_id, c))
+            if c.finish_reason is None:
+                keep.append(i)
+        self.target.rollback(kept)
+        if len(keep) < len(self.rows):
+            self.target.remove(keep)
+            self.rows = [self.rows[i] for i in keep]
+        return out
+
+    def run(self):
+        """Rounds until every row has finished or failed; yields each round's ``step``."""
+        while self.rows:
+            yield self.step()

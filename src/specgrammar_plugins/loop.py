@@ -154,6 +154,16 @@ class SpeculativeLoop:
         sync_runner(self.target, self.prompt[:-1])
 
     def _round(self) -> Commit:
+        block = self._draft()
+        pending = self.prompt[-1] if not self.emitted else self.emitted[-1]
+        t_fwd = time.perf_counter_ns()
+        logits = self.target.forward([pending, *block.tokens])
+        return self._judge(block, logits, t_fwd)
+
+    def _draft(self) -> DraftBlock:
+        """A round's first half: the drafts of this round (masks filled once), finished for verification.  A host
+        that verifies many requests in one batched target pass (``batch.BatchLoop``) calls it per request, then
+        feeds [pending, *block.tokens] of every request at once and hands each its rows (``_judge``)."""
         remaining = self.max_tokens - len(self.emitted)
         budget = min(self.k, remaining - 1)
         free = max(0, min(self.free_forced, remaining - 1 - budget))
@@ -163,9 +173,12 @@ class SpeculativeLoop:
         if budget > 0:
             fill(block, self.drafter)
         block.finish()
-        pending = self.prompt[-1] if not self.emitted else self.emitted[-1]
-        t_fwd = time.perf_counter_ns()
-        logits = self.target.forward([pending, *block.tokens])
+        return block
+
+    def _judge(self, block: DraftBlock, logits, t_fwd: int) -> Commit:
+        """A round's second half: the target's logits of [pending, *block.tokens] (started at ``t_fwd``) -> verify
+        -> commit the accepted drafts + the residual/bonus token -> roll the matcher and ``target.trim`` back to the
+        committed prefix."""
         t1 = time.perf_counter_ns()
         self.stats.target_s += (t1 - t_fwd) / 1e9
         self.stats.target_passes += 1
@@ -249,22 +262,26 @@ class SpeculativeLoop:
         try:
             while True:
                 c = self._round()
-                self.stats.emitted = len(self.emitted)
-                if c.finish_reason is not None:
-                    self.finish_reason = self.stats.finish_reason = c.finish_reason
-                    self._report()  # before the last commit is yielded: a host reads the stats with it
-                    # learning drafters (the online suffix index, layout, recipe miss logs) see every finished
-                    # request, before its last commit is yielded: a host stops iterating once it has the end
-                    # (llama-cpp-python breaks on the end-of-generation token), so nothing after that yield runs
-                    observe(self.drafter, [*self.prompt, *self.emitted], len(self.prompt))
-                    if self.on_finish is not None:
-                        self.on_finish(self)
+                self._settled(c)
                 yield c
                 if c.finish_reason is not None:
                     return
         finally:
             self.stats.wall_s = time.perf_counter() - t0
             self._report()
+
+    def _settled(self, c: Commit) -> None:
+        """After a round's commit, before it is yielded: the counters, and at the end the reports and the learning
+        drafters (the online suffix index, layout, recipe miss logs) see the finished request, before its last
+        commit is yielded: a host stops iterating once it has the end (llama-cpp-python breaks on the
+        end-of-generation token), so nothing after that yield runs."""
+        self.stats.emitted = len(self.emitted)
+        if c.finish_reason is not None:
+            self.finish_reason = self.stats.finish_reason = c.finish_reason
+            self._report()  # before the last commit is yielded: a host reads the stats with it
+            observe(self.drafter, [*self.prompt, *self.emitted], len(self.prompt))
+            if self.on_finish is not None:
+                self.on_finish(self)
 
     def _report(self) -> None:
         if hasattr(self.tilt_fn, "report"):

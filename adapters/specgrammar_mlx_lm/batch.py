@@ -1,0 +1,195 @@
+"""Batched grammar-aware speculative decoding on mlx-lm: many requests, one batched target pass per round.
+
+    from specgrammar_mlx_lm.batch import BatchRequest, batch_generate
+    outs = batch_generate(model, tokenizer, [BatchRequest(prompt_ids, constraint=spec, temperature=0.0), ...], k=4)
+    # outs[i]: (tokens, stats) of request i, or (tokens so far, the exception that failed it)
+
+Each request is a core ``SpeculativeLoop`` (``api.make_loop``: its own grammar, budget, drafter chain, sampling law
+and random stream) on an ``api.RowRunner``; ``api.BatchLoop`` drafts for every row, feeds [pending, *drafts] of all
+rows in one forward of the target (``MLXBatchTarget``: the rows padded on the right to one length, over mlx-lm's
+``BatchKVCache``), lets each row's loop verify its own logits rows (the same accept/residual law, budget and
+rollback as the serial loop), and then rolls each row's cache back to what the row kept.
+
+Per-row rollback on ``BatchKVCache`` (mlx-lm 0.32.2: its ``trim`` is one length for the whole batch): trim by the
+smallest drop of the round, then shift each row whose drop is larger right by the rest, adding it to the row's left
+padding (``prepare(right_padding=...)`` + ``finalize()``, the way mlx-lm itself turns a right-padded prompt into
+left padding).  The row's ``offset`` (its RoPE position) falls by what it dropped, and the mask hides the shifted
+part.  Rows that finish or fail leave the batch (``BatchKVCache.filter``).
+
+Drafting is per row (the model-free drafters: forced tokens, recipes, prompt copy, suffix, layout; with a draft
+model, each row drafts with its own ``MLXRunner`` over the draft model, one row at a time): only the target's
+verification is batched.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from specgrammar_plugins.api import BatchLoop, SpecOptions, make_loop
+
+from .generate import sampling_params, stop_ids
+from .processor import compile_for, tokenizer_info
+from .runner import MLXRunner, check_trimmable, output_width
+
+
+def forward_rows(model, cache: list, feeds: list[list[int]]):
+    """One batched forward of ``feeds`` (row i: its tokens, padded on the right to the longest row) over the batch
+    cache; float32 logits [B, width, V], evaluated."""
+    import mlx.core as mx
+
+    width = max(len(f) for f in feeds)
+    x = mx.array([list(f) + [0] * (width - len(f)) for f in feeds], dtype=mx.uint32)
+    out = model(x, cache=cache).astype(mx.float32)
+    mx.eval(out)
+    return out
+
+
+def rollback_rows(cache: list, width: int, kept: list[int]) -> None:
+    """After a pass that fed ``width`` positions to every row, row i keeps the first ``kept[i]`` of them: trim the
+    smallest drop from every row, then shift each row that drops more right by the rest, into its left padding
+    (``BatchKVCache.prepare(right_padding=...)`` + ``finalize``: its offset falls by it, the mask hides it)."""
+    import mlx.core as mx
+
+    drops = [width - k for k in kept]
+    low = min(drops)
+    extra = [d - low for d in drops]
+    for c in cache:
+        if low:
+            c.trim(low)
+        if any(extra):
+            c.prepare(right_padding=extra)
+            c.finalize()
+    mx.eval([c.state for c in cache])
+
+
+class MLXBatchTarget:
+    """The target model over one ``BatchKVCache`` per layer, as ``BatchLoop`` drives it (``forward``, ``rollback``,
+    ``remove``); rows join with ``add`` (prefilled alone, then merged in)."""
+
+    tensors = "mlx"
+
+    def __init__(self, model, prefill_step_size: int = 2048):
+        self.model = model
+        self.vocab_size = output_width(model)
+        self.prefill_step_size = prefill_step_size
+        self.cache: list | None = None
+        self.rows = 0
+        self.passes = 0
+        self.fed = 0  # positions fed by the batched passes (padding included)
+        self.padding = 0  # of those, padding
+        self.rollback_s = 0.0  # time in the per-row rollback (the shift of the rows that dropped more)
+        self.forward_s = 0.0
+        self._width = 0
+
+    def add(self, prefix: Sequence[int]) -> None:
+        """A new row whose cache holds ``prefix`` (the prompt without its last token, which is pending)."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        runner = MLXRunner(self.model, make_prompt_cache(self.model), [],
+                           prefill_step_size=self.prefill_step_size)
+        if prefix:
+            runner.forward(list(prefix), logits_for=0)
+        one = [c.merge([c]) for c in runner.cache]  # KVCache.merge -> a BatchKVCache of one row
+        if self.cache is None:
+            self.cache = one
+        else:
+            for a, b in zip(self.cache, one):
+                a.extend(b)
+        mx.eval([c.state for c in self.cache])
+        self.rows += 1
+
+    def forward(self, feeds: list[list[int]]):
+        t0 = time.perf_counter()
+        out = forward_rows(self.model, self.cache, feeds)
+        self._width = max(len(f) for f in feeds)
+        self.passes += 1
+        self.fed += self._width * len(feeds)
+        self.padding += sum(self._width - len(f) for f in feeds)
+        self.forward_s += time.perf_counter() - t0
+        return [out[i, : len(f)] for i, f in enumerate(feeds)]
+
+    def rollback(self, kept: list[int]) -> None:
+        """Row i keeps ``kept[i]`` of the positions the last pass fed: the rest (its rejected drafts, its padding)
+        is dropped from its cache."""
+        t0 = time.perf_counter()
+        rollback_rows(self.cache, self._width, kept)
+        self.rollback_s += time.perf_counter() - t0
+
+    def remove(self, keep: list[int]) -> None:
+        if not keep:
+            self.cache, self.rows = None, 0
+            return
+        for c in self.cache:
+            c.filter(keep)
+        self.rows = len(keep)
+
+
+@dataclass
+class BatchRequest:
+    """One request of a batch: prompt token ids, its constraint (``ConstraintSpec`` or ``CompiledConstraint``;
+    None: unconstrained) and options."""
+
+    prompt: Sequence[int]
+    constraint: object = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    options: SpecOptions = field(default_factory=SpecOptions)  # k, drafters, recipe, budget_mask ...
+
+
+def make_row(target: MLXBatchTarget, tokenizer, req: BatchRequest, *, k: int = 4, engine: str | None = None,
+             draft_model=None):
+    """The request's ``SpeculativeLoop`` on a ``RowRunner`` (its cache row is added by the caller)."""
+    width = target.vocab_size
+    compiled = compile_for(req.constraint, tokenizer, width, engine) if req.constraint is not None else None
+    tokinfo = compiled.tokenizer if compiled is not None else tokenizer_info(tokenizer, width)
+    options = req.options if req.options.k is not None else SpecOptions(**{**req.options.__dict__, "k": k})
+    draft = None
+    if draft_model is not None:
+        draft = MLXRunner(draft_model, what="draft model")
+    prompt = [int(t) for t in req.prompt]
+    return make_loop(BatchLoop.runner(prompt, width, target.tensors), prompt, options, constraint=compiled,
+                     tokenizer=tokinfo, params=sampling_params(req.temperature, req.top_p, req.top_k, req.min_p),
+                     rng=np.random.default_rng(req.seed), draft_runner=draft, max_tokens=req.max_tokens,
+                     stop_token_ids=stop_ids(tokenizer, tokinfo))
+
+
+def batch_generate(model, tokenizer, requests: Sequence[BatchRequest], *, k: int = 4, engine: str | None = None,
+                   draft_model=None, target: MLXBatchTarget | None = None):
+    """Run every request to its end in one batch; returns [(tokens, stats or the exception that failed it)] in
+    request order, and the ``MLXBatchTarget`` (its pass and padding counters) as the second value."""
+    from .generate import _wrap_tokenizer
+
+    tokenizer = _wrap_tokenizer(tokenizer)
+    target = target if target is not None else MLXBatchTarget(model)
+    if target.cache is not None:
+        raise ValueError("the batch target must start empty")
+    batch = BatchLoop(target)
+    results: dict[int, object] = {}
+    loops = {}
+    for i, req in enumerate(requests):
+        try:
+            loop = make_row(target, tokenizer, req, k=k, engine=engine, draft_model=draft_model)
+        except Exception as e:  # a request that cannot start is answered with its error alone
+            results[i] = e
+            continue
+        target.add(loop.prompt[:-1])
+        batch.add(i, loop)
+        loops[i] = loop
+    if target.cache is not None:
+        check_trimmable(target.cache, "target")
+    for out in batch.run():
+        for i, c in out:
+            if isinstance(c, BaseException):
+                results[i] = c
+            elif c.finish_reason is not None:
+                results[i] = loops[i].stats
+    return [(list(loops[i].emitted) if i in loops else [], results[i]) for i in range(len(requests))], target
