@@ -19,7 +19,8 @@ refused up front (``BudgetError``, naming the length).  ``make_budget`` picks on
   tight: per DFA state the largest one-token step is known, and the row is cut only when r falls below it.
 - **certified** (``CertifiedBudget``): every other constraint (JSON Schema on xgrammar / llguidance, recursive
   grammars, any-JSON).  U(x) is the length of a *certificate*: a completion that a fork of the request's own
-  matcher accepts through the stop token, so it never claims room that is not there.  Certificates come from (in
+  matcher accepts through the stop token (on xgrammar, token by token from its own masks too: a host samples from
+  those), so it never claims room that is not there.  Certificates come from (in
   this order) the parent's certificate when x follows it (free), the parent's certificate text when the token
   spells a prefix of it, the parent's whole certificate after the token (tokens that leave the structure as it
   was: string content, digits), and a greedy walk on the engine's own masks (jump-forward bytes, closers first,
@@ -328,6 +329,7 @@ class _WalkVocab:
         self.digits = frozenset(single[b] for b in b"0123456789" if b in single)
         self.enders = [single[b] for b in b'}],' if b in single] + [t for t in stops if t < tok.vocab_size]
         self.closers = frozenset(single[b] for b in b"}]" if b in single)
+        self.comma = single.get(0x2C)
         self.blanks = [single[b] for b in _WHITESPACE if b in single]
 
 
@@ -358,7 +360,12 @@ class CertifiedBudget(Budget):
         self.spell, self.prefer, self.prefer_in_string = v.spell, v.prefer, v.prefer_in_string
         self.prefer_after_digit, self.digits, self.enders, self.blanks = (v.prefer_after_digit, v.digits, v.enders,
                                                                           v.blanks)
-        self.closers = v.closers
+        self.closers, self.comma = v.closers, v.comma
+        # xgrammar 0.2.8 accepts tokens its own mask leaves out (after `"Cla` in an enum's "Classical", `ssi`:
+        # accept_token says yes, fill_next_token_bitmask has only `s`): a host samples from the mask, so a
+        # certificate must be a way the masks allow (``_MaskChecked``), or the certificate's own next token is not
+        # in the row, the tight zone's cut empties it, and vLLM samples token 0 and fails the request
+        self.mask_checked = compiled.engine == "xgrammar"
         self._row = np.zeros(mask_words(tok.vocab_size), dtype=np.int32)
         self._probe = np.zeros(mask_words(tok.vocab_size), dtype=np.int32)
         schema = compiled.spec.schema if compiled.spec.kind == "json_schema" else None
@@ -395,7 +402,7 @@ class CertifiedBudget(Budget):
         """The start's certificate: a GBNF grammar's own shortest string (``bounds.gbnf_shortest``: fewest bytes,
         found from the rules, so a recursive grammar such as ``root ::= "a" root | "b"`` gets its exact ``b``)
         when the engine certifies it, else the greedy walk, under the request's deadline."""
-        m = self.hm.matcher
+        m = self._checked(self.hm.matcher)
         spec = compiled.spec
         if spec.kind == "grammar" and spec.syntax == "gbnf":
             from .bounds import gbnf_shortest
@@ -408,6 +415,10 @@ class CertifiedBudget(Budget):
         return self._walk(m, _Scan(), min(8 * self.budget + 64, self.MAX_WALK), 1 << 30, deadline=deadline)
 
     # ---------------------------------------------------------------- certificates
+    def _checked(self, m):
+        """The matcher certificates are worked out on: ``m``, or ``m`` accepting only what its mask allows."""
+        return _MaskChecked(m, len(self._row)) if self.mask_checked else m
+
     def _certify(self, m, ids: Sequence[int]) -> bool:
         f = m.fork()
         for t in ids:
@@ -521,7 +532,10 @@ class CertifiedBudget(Budget):
             order = self.prefer_after_digit if chr(scan.last).isdigit() or scan.last == 0x2E else self.prefer
             allowed = allowed_among(row, order)
             if allowed:
-                closes = allowed[0] in self.closers and bool(scan.stack)  # each one ends an open container
+                # each closer ends an open container; a comma where neither closer is allowed yet is the next of
+                # the items or required keys it still needs (refused as "again and again" at the 9th, the walk
+                # wrote "p8":123456789e1234... and an object of 10 required numbers was certified at 133 tokens)
+                closes = (allowed[0] in self.closers or allowed[0] == self.comma) and bool(scan.stack)
                 if allowed[0] not in self.digits and used.get(allowed[0], 0) >= 8 and len(allowed) > 1 \
                         and not closes:
                     # the first choice again and again (``root ::= "a" root | "b"``, ``/a*b/``): the least used.
@@ -559,7 +573,7 @@ class CertifiedBudget(Budget):
             return parent[1:] if len(parent) - 1 <= limit else None
         if limit < 1 or not self.hm.sync([*h, t]):
             return None
-        m = self.hm.matcher
+        m = self._checked(self.hm.matcher)
         if parent:
             text, tb = self._text(parent), self.tok.token_bytes[t]
             if tb and text.startswith(tb):  # the token spells a prefix of the certificate's text
@@ -666,6 +680,37 @@ class CertifiedBudget(Budget):
 
     def report(self) -> dict:
         return {**super().report(), "walks": self.walks, "certified": not self.lost}
+
+
+class _MaskChecked:
+    """A matcher whose ``accept`` also asks its mask (``CertifiedBudget.mask_checked``); its forks too.  The mask
+    the caller filled for the current state is reused (the walk fills one per step)."""
+
+    def __init__(self, m, words: int):
+        self.m = m
+        self.row = np.zeros(words, dtype=np.int32)
+        self.fresh = False
+
+    def __getattr__(self, name):
+        return getattr(self.m, name)
+
+    def fork(self) -> "_MaskChecked":
+        return _MaskChecked(self.m.fork(), len(self.row))
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        self.m.fill_mask(out)
+        self.row[:] = out
+        self.fresh = True
+
+    def accept(self, token: int) -> bool:
+        if not self.fresh:
+            self.m.fill_mask(self.row)
+        self.fresh = False
+        return mask_allows(self.row, int(token)) and self.m.accept(int(token))
+
+    def rollback(self, n: int) -> None:
+        self.fresh = False
+        self.m.rollback(n)
 
 
 _STARTS: "OrderedDict[tuple, tuple | None]" = OrderedDict()  # CertifiedBudget's start certificates (LRU)

@@ -1,0 +1,122 @@
+"""Issue 35's whole-dev-split check through vLLM: the two bugs it found, each on one schema with the tiny pair's
+tokenizer as vLLM's xgrammar backend reads it (no engine is built: the budget and the masks are the ones vLLM's
+bitmask rows are cut with).
+
+- xgrammar 0.2.8 accepts tokens its own mask leaves out (``ssi`` after ``"Cla`` in an enum's "Classical"): the
+  certified budget's certificate used them, the tight zone kept only the certificate's way, which vLLM's row did
+  not hold, and the row came back empty: vLLM sampled token 0 and failed the request (4 of 1,348 answered);
+- the certified walk refused a comma as "the same token again and again" after eight, so an object of many
+  required keys was walked into endless numbers (``"p8":123456789e1234...``): certificates far too long, and an
+  iobroker schema got none at all and was served without the mask, cut off at 256 tokens (300 required array items
+  none either).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("xgrammar")
+pytest.importorskip("transformers")
+
+from specgrammar_plugins.api import (BudgetError, ConstraintSpec, SpecOptions, check_budget,  # noqa: E402
+                                     compile_constraint)
+from specgrammar_plugins.masks import mask_allows, mask_words  # noqa: E402
+from specgrammar_plugins.models import tiny_path  # noqa: E402
+
+# BFCL_simple_284 of the MaskBench dev split
+CONCERT = {"type": "object", "properties": {"concert_info.get": {
+    "type": "object", "properties": {"location": {"type": "string"}, "date": {"type": "string"},
+                                     "genre": {"type": "string", "enum": ["Pop", "Rock", "Country", "Classical",
+                                                                          "Electronic", "Hip-Hop"]}},
+    "required": ["location", "date", "genre"], "additionalProperties": False}},
+    "required": ["concert_info.get"], "additionalProperties": False}
+# the tiny target's greedy output for it on vLLM before the fix: 249 tokens, ending `"genre":"Cla` (the next row
+# was empty): `{"concert_info.get"`, 197 spaces, `:{"location":"","date":"","genre":"Cla`
+PATH = ([305, 69, 81, 80, 69, 71, 84, 86, 65, 293, 394, 16, 73, 71, 86, 4] + [223] * 197
+        + [28, 305, 78, 81, 69, 67, 86, 75, 81, 80, 4, 28, 4, 4, 14, 4, 70, 320, 71, 4, 28, 4, 4, 14, 4, 73, 71, 80,
+           84, 71, 4, 28, 4, 37, 78, 67])
+BUDGET = 256
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from specgrammar_vllm.budget_mask import grammar_tokenizer
+
+    return grammar_tokenizer(AutoTokenizer.from_pretrained(str(tiny_path("target"))), 1024, "xgrammar")
+
+
+def _compile(tok, schema, engine="xgrammar"):
+    opts = {"xgrammar_strict_mode": True} if engine == "xgrammar" else {}
+    return compile_constraint(ConstraintSpec.json_schema(schema), tok, engine=engine, **opts)
+
+
+def _row(m, words):
+    row = np.zeros(words, dtype=np.int32)
+    m.fill_mask(row)
+    return row
+
+
+def test_certificates_are_ways_the_engines_own_masks_allow(tok):
+    """Along the recorded path, each prefix's certificate (where one fits) is taken token by token from the rows
+    xgrammar's mask gives, to the end."""
+    c = _compile(tok, CONCERT)
+    budget = check_budget(c, SpecOptions(), BUDGET)
+    words = mask_words(tok.vocab_size)
+    checked = 0
+    for n in range(len(PATH) - 12, len(PATH) + 1):
+        cert = budget._sync(PATH[:n])
+        if not cert:
+            continue
+        m = c.matcher()
+        assert all(m.accept(t) for t in PATH[:n])
+        for t in cert:  # (its stop token included)
+            assert mask_allows(_row(m, words), t), (n, tok.decode(list(cert)), tok.token_bytes[t])
+            assert m.accept(t)
+        assert m.is_terminated()
+        checked += 1
+    assert checked >= 6
+
+
+def test_every_choice_the_combined_rows_leave_ends_within_the_budget_on_vllms_failing_path(tok):
+    """The recorded path while the combined row (xgrammar's row, cut by ``Budget.mask_row`` as vLLM's is) still
+    holds its tokens, then the most wasteful choice the rows leave (the highest id: spaces, long strings): every
+    row has a token, and the output ends complete and valid within the budget."""
+    import jsonschema
+
+    c = _compile(tok, CONCERT)
+    budget = check_budget(c, SpecOptions(), BUDGET)
+    m, words = c.matcher(), mask_words(tok.vocab_size)
+    out: list[int] = []
+    followed = 0
+    while not m.is_terminated():
+        assert len(out) < BUDGET, tok.decode(out)
+        row = _row(m, words)
+        budget.mask_row(row, out, 16)
+        allowed = [t for t in range(tok.vocab_size) if mask_allows(row, t)]
+        assert allowed, f"an empty row after {len(out)} tokens: {tok.decode(out)[-40:]!r}"
+        t = PATH[len(out)] if followed == len(out) and len(out) < len(PATH) and PATH[len(out)] in allowed \
+            else allowed[-1]
+        followed += t == PATH[len(out)] if len(out) < len(PATH) else 0
+        if t in tok.stop_token_ids:
+            break
+        assert m.accept(t)
+        out.append(t)
+    assert len(out) + 1 <= BUDGET
+    assert followed > 200  # the recorded path was followed into the tight zone
+    jsonschema.validate(json.loads(tok.decode(out)), CONCERT)
+
+
+@pytest.mark.parametrize("engine", ["xgrammar", "llguidance"])
+def test_an_object_of_many_required_keys_is_certified_without_endless_numbers(tok, engine):
+    props = {f"p{i}": {"type": "number"} for i in range(12)}
+    schema = {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+    budget = check_budget(_compile(tok, schema, engine), SpecOptions(), BUDGET)
+    cert = budget._sync([])
+    value = json.loads(tok.decode([t for t in cert if t not in tok.stop_token_ids]))
+    assert all(abs(v) < 10 for v in value.values()), value  # one digit each (was 123456789e1234...: 168 tokens)
+    assert len(cert) <= 80, len(cert)
