@@ -130,3 +130,69 @@ def test_observe_counts_the_outcome_of_the_last_drafts(toy_tok, accepted, pendin
     assert st.pending == 0
     assert table.counters["accepted_tokens"] == (want or 0)
     assert table.counters["verified_rounds"] == (0 if want is None else 1)
+
+
+# ---------------------------------------------------------------------------------------------- the serial loop's chain
+# A host on the batch layer (vLLM) must draft what the serial loop (mlx-lm, llama-cpp-python) drafts from the same
+# committed tokens, and its learning drafters must see every finished request (issue 32: vLLM earned less than mlx-lm
+# from the same model-free chain: its blocks had no prompt length and nothing taught its suffix/layout indexes).
+NAME = r'\{"name": "[A-Za-z ]+"\}'
+
+
+class ChainTable(Table):
+    """A table whose requests carry a drafter chain: {"regex", "prompt_len", "drafters", "extra"}."""
+
+    def new_state(self, req, req_id=None):
+        compiled = self.memo(("c", req["regex"]), lambda: compile_constraint(ConstraintSpec.regex(req["regex"]),
+                                                                             self.tok, engine=self.engine))
+        drafter = make_drafter(SpecOptions(k=K, drafters=req["drafters"], extra=req.get("extra", {})), self.tok)
+        return RequestState(HistoryMatcher(compiled), drafter, req["prompt_len"], self.tok.stop_token_ids)
+
+
+@pytest.fixture(scope="module")
+def tiny_tok():
+    from specgrammar_plugins.models import tiny_tokenizer_info
+
+    return tiny_tokenizer_info()
+
+
+def _batch_drafts(table, req_id, req, context):
+    batch = BatchDrafter(table, table.tok.vocab_size)
+    ctx = np.asarray(context, dtype=np.int64)
+    step = Step([batch.row(req_id, req, 1, lambda: ctx, K)], K)
+    batch.plan(step, 1)
+    b = step.rows[0].block
+    return ([], []) if b is None else (list(b.tokens), list(b.sources))
+
+
+def test_a_prompt_copy_on_the_batch_layer_is_the_serial_loops(tiny_tok):
+    from specgrammar_plugins.api import DraftBlock, fill
+
+    prompt = tiny_tok.encode("Extract the user as JSON: Oscar Silva is a photographer.")
+    out = tiny_tok.encode('{"name": "Os')
+    req = {"regex": NAME, "prompt_len": len(prompt), "drafters": ("layout", "prompt")}
+    got = _batch_drafts(ChainTable(tiny_tok), "r", req, prompt + out)
+    # the serial loop's block for the same committed tokens (SpeculativeLoop._draft: prompt_len = the prompt's)
+    compiled = compile_constraint(ConstraintSpec.regex(NAME), tiny_tok, engine="dfa")
+    m = compiled.matcher()
+    assert all(m.accept(t) for t in out)
+    block = DraftBlock(prompt + out, m, tiny_tok.vocab_size, K, tiny_tok.stop_token_ids, prompt_len=len(prompt))
+    fill(block, make_drafter(SpecOptions(k=K, drafters=req["drafters"]), tiny_tok))
+    assert block.tokens and set(block.sources) == {"prompt"}  # "car Silva" copied from the prompt's text
+    assert got == (block.tokens, block.sources)
+
+
+def test_a_finished_request_teaches_the_suffix_index(tiny_tok):
+    from specgrammar_plugins.recipes.suffix import SuffixIndex
+
+    index = SuffixIndex(min_support=1)
+    table = ChainTable(tiny_tok)
+    prompt = tiny_tok.encode("Who took the photo?")
+    answer = tiny_tok.encode('{"name": "Oscar Silva"}')
+    req = {"regex": NAME, "prompt_len": len(prompt), "drafters": ("suffix",), "extra": {"suffix_index": index}}
+    assert _batch_drafts(table, "r0", req, prompt + answer[:4]) == ([], [])  # nothing learnt yet
+    _batch_drafts(table, "r0", req, prompt + answer)  # its last step: the whole answer committed
+    table.prune(set())  # it left the host: its drafters see it
+    assert index.observed == 1
+    tokens, sources = _batch_drafts(table, "r1", req, prompt + answer[:4])
+    assert tokens == answer[4:4 + K] and set(sources) == {"suffix"}

@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .block import DraftBlock, fill
+from .drafters import observe as teach
 from .history import HistoryMatcher
 from .masks import set_bit
 
@@ -82,7 +83,7 @@ def draft_confidence_option(opts: dict) -> float | None:
 
 # ---------------------------------------------------------------------------------------------- per request
 class RequestState:
-    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "grammar", "draws")
+    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "grammar", "draws", "prompt")
 
     def __init__(self, history: HistoryMatcher | None, drafter, prompt_len: int, stop_ids: tuple[int, ...],
                  grammar: bool = True, draws=None):
@@ -95,6 +96,7 @@ class RequestState:
         # its drafters' random draws (the host's: ``at(position)`` restarts them at each step, so that they are a
         # function of the request and the position only, the same on every rank), or None
         self.draws = draws
+        self.prompt: list[int] | None = None  # the prompt's tokens (``begin``), taught to the drafters at the end
 
 
 class RequestTable:
@@ -151,6 +153,8 @@ class RequestTable:
         # committed tokens only grow: compare and feed only what follows the last synced history (its last token
         # checked), the whole history otherwise (a new request, a preempted one recomputed)
         p, base = st.prompt_len, h.synced
+        if st.prompt is None:
+            st.prompt = context[:p].tolist()
         if 0 < base <= len(h.fed) and p + base <= n and h.fed[base - 1] == context[p + base - 1]:
             ok = h.sync_tail(base, context[p + base:n].tolist())
         else:
@@ -176,7 +180,9 @@ class RequestTable:
             st.draws.at(n)
         # the history's own matcher, not a fork (O(tokens so far) on xgrammar): the next sync rolls back the drafts
         # the host did not commit; lazy: a position's mask is filled only where something reads it
-        return DraftBlock(context[:n], st.history.draft(), self.vocab_size, budget, st.stop_ids, lazy=True)
+        # prompt_len: the drafters that tell the prompt from the output (prompt copy, layout, copy recipes) read it
+        return DraftBlock(context[:n], st.history.draft(), self.vocab_size, budget, st.stop_ids, prompt_len=p,
+                          lazy=True)
 
     def record(self, st: RequestState, req_id: str, tokens: Sequence[int], sources: Sequence[str]) -> None:
         """Count the drafts proposed for a request at this step (its outcome is seen at the next one)."""
@@ -202,12 +208,25 @@ class RequestTable:
         st.pending = 0
 
     def prune(self, live) -> None:
-        """Drop the state of every request not in ``live`` (finished or aborted)."""
+        """Drop the state of every request not in ``live`` (finished or aborted), first teaching its drafters the
+        request's tokens (``finished``)."""
         if len(self._states) > len(live) or any(r not in live for r in self._states):
             for r in [r for r in self._states if r not in live]:
-                del self._states[r]
+                self.finished(r, self._states.pop(r))
                 self.last_drafted.pop(r, None)
                 self._faulted.discard(r)
+
+    def finished(self, req_id: str, st: RequestState) -> None:
+        """A request left the host: its learning drafters (the online suffix index, the server's layout index,
+        recipe miss logs) see its prompt and the output its history synced, as the serial loop's drafters see
+        every finished request (``drafters.observe``).  A fault here is logged, never raised."""
+        h = st.history
+        if st.drafter is None or st.prompt is None or h is None or not h.fed:
+            return
+        try:
+            teach(st.drafter, [*st.prompt, *h.fed[:h.synced]], len(st.prompt))
+        except Exception as e:
+            self.fault("teaching its drafters", e)
 
     def fault(self, where: str, e: BaseException, req_id: str | None = None) -> None:
         """A fault in our own drafting: the request (or the step) gets no grammar drafts, the host goes on.
