@@ -1,6 +1,6 @@
-"""Issue 35's whole-dev-split check through vLLM: the two bugs it found, each on one schema with the tiny pair's
-tokenizer as vLLM's xgrammar backend reads it (no engine is built: the budget and the masks are the ones vLLM's
-bitmask rows are cut with).
+"""Issue 35's whole-dev-split check through vLLM (``bench schemas --completeness 0 --completeness-host vllm``): the
+two bugs it found, each on one schema with the tiny pair's tokenizer as vLLM's xgrammar backend reads it (no
+engine is built: the budget and the masks are the ones vLLM's bitmask rows are cut with), and what the run counts.
 
 - xgrammar 0.2.8 accepts tokens its own mask leaves out (``ssi`` after ``"Cla`` in an enum's "Classical"): the
   certified budget's certificate used them, the tight zone kept only the certificate's way, which vLLM's row did
@@ -120,3 +120,31 @@ def test_an_object_of_many_required_keys_is_certified_without_endless_numbers(to
     value = json.loads(tok.decode([t for t in cert if t not in tok.stop_token_ids]))
     assert all(abs(v) < 10 for v in value.values()), value  # one digit each (was 123456789e1234...: 168 tokens)
     assert len(cert) <= 80, len(cert)
+
+
+def test_what_the_run_counts_as_refused_at_compile_and_by_the_budget(tok):
+    """The run's gate (``vllm_host.gate``, vLLM itself not imported here): a keyword strict xgrammar does not
+    enforce is a compile refusal named by that keyword; 300 required items are a budget refusal naming a length
+    (before the comma fix the walk found no certificate: served without the mask); the report's counts."""
+    from specgrammar_plugins.api import ConstraintError
+    from specgrammar_plugins.bench.schemas import vllm_rows
+    from specgrammar_plugins.bench.vllm_host import refusal_reason
+
+    with pytest.raises(ConstraintError) as e:
+        _compile(tok, {"type": "object", "properties": {"u": {"type": "string", "format": "uri"}}, "required": ["u"]})
+    assert refusal_reason(e.value) == "format: uri"
+    with pytest.raises(BudgetError) as b:
+        check_budget(_compile(tok, {"type": "array", "items": {"type": "integer"}, "minItems": 300}), SpecOptions(),
+                     BUDGET)
+    assert b.value.shortest is not None and b.value.shortest > BUDGET
+    base = {"family": "x", "temperature": 0.0, "refused": False, "refused_at": None, "complete": True, "valid": True,
+            "cut": False}
+    recs = [dict(base, schema="uri", refused=True, refused_at="compile", complete=False, valid=False),
+            dict(base, schema="long", refused=True, refused_at="budget", complete=False, valid=False),
+            dict(base, schema="ok"), dict(base, schema="cut", complete=False, valid=False, cut=True),
+            dict(base, schema="bad", valid=False)]
+    every = vllm_rows(recs)[-1]
+    assert {k: every[k] for k in ("schemas", "refused_compile", "refused_budget", "answered", "complete", "valid",
+                                  "cut_off", "invalid")} == {"schemas": 5, "refused_compile": 1, "refused_budget": 1,
+                                                             "answered": 3, "complete": 2, "valid": 1, "cut_off": 1,
+                                                             "invalid": 1}

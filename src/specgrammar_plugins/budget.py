@@ -641,8 +641,10 @@ class CertifiedBudget(Budget):
         set of candidates: the certificate's next token (always fits), the tokens spelling a prefix of its text,
         and the stop tokens.  Sound within the tight zone, cheap (at most ``max_bytes`` + a few certificates per
         position); a token outside it that raises the certificate by ``margin`` or more in one step is not
-        prevented (``lost`` then, and counted by the host).  Far from the budget (the slack of the last
-        certified prefix, less ``margin - 1`` per token since, still at least ``margin``) nothing is certified."""
+        prevented (and not counted: ``lost`` is set only when nothing is certified at the start; an array item
+        whose schema requires hundreds of tokens does this, issue 35's dev split at T = 0.7).  Far from the budget
+        (the slack of the last certified prefix, less ``margin - 1`` per token since, still at least ``margin``)
+        nothing is certified."""
         if self.lost:
             return False
         t0 = time.perf_counter_ns()

