@@ -162,6 +162,18 @@ class Host:
         assert re.fullmatch(YEAR, r.content), r.content
         assert r.seconds < 30, f"the next request took {r.seconds:.1f} s"
 
+    def health(self) -> float:
+        """``GET /health``: 200, and how long it took."""
+        conn = http.client.HTTPConnection(self.launched.host, self.launched.port, timeout=10)
+        t0 = time.monotonic()
+        try:
+            conn.request("GET", "/health")
+            status = conn.getresponse().status
+        finally:
+            conn.close()
+        assert status == 200, status
+        return time.monotonic() - t0
+
     def opened(self) -> list[str]:
         return self.open_log.read_text().splitlines() if self.open_log.exists() else []
 
@@ -393,6 +405,64 @@ def test_10_smaller_findings(host, case):
         else:  # the client holds the connection: the body timeout answers it
             r = host.send_raw_socket(head, body[: len(body) // 2], half_close=False, wait=BODY_TIMEOUT_S + 10)
             host.refused(r, r"did not arrive within", 408, within=BODY_TIMEOUT_S + ANSWER_S)
+
+
+# ---------------------------------------------------------------------------------------------- a storm
+DEADLINE_S = 5.0  # bounds.BOUNDS.prepare_timeout_s: every answer in a storm within it + 1 s
+STORM = {  # the costly kinds of issue 33, sent at once: (fields of a chat request, or raw bytes; the reason)
+    "regex-2MB": ({"regex": "a" * (2 << 20)}, r"bytes; the limit is 1048576"),
+    "repeat-2^32": ({"structured_outputs": {"regex": "a{0,4294967295}"}}, r"SPECGRAMMAR_MAX_REPEAT"),
+    "nested-schema-2000": (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "response_format": '
+                           b'{"type": "json_schema", "json_schema": {"name": "x", "schema": ' + _deep_schema(2000)
+                           + b"}}}", r"nested too deeply|nests more than"),
+    "nested-regex-non-ascii": ({"regex": "(é" * 300 + ")" * 300}, r"nested too deeply|nests more than"),
+    "minItems-10^9": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"type": "integer"}, "minItems": 1000000000}}}}, r"SPECGRAMMAR_MAX_ITEMS"),
+    "doubling-40-gbnf": ({"grammar": "root ::= r0\n" + "\n".join(f"r{i} ::= r{i + 1} r{i + 1}" for i in range(40))
+                          + '\nr40 ::= "a"'}, r"SPECGRAMMAR_MAX_FORCED_BYTES"),
+    "enum-non-ascii-60000": ({"structured_outputs": {"json": {"enum": [f"valeur-{i}-é🦀" for i in range(60000)]}}},
+                             r"SPECGRAMMAR_MAX_CHOICES|SPECGRAMMAR_MAX_CONSTRAINT_BYTES"),
+}
+
+
+def test_a_storm_of_hostile_bodies_beside_an_ordinary_request(host):
+    """Issue 33: the costly hostile kinds (a huge regex, deep nesting, memory bombs, non-ASCII text) sent all at
+    once with an ordinary constrained request: every hostile one a 4xx naming its reason, the ordinary one a valid
+    200, all within the deadline + 1 s; ``/health`` under 1 s throughout; no 5xx; the server alive and serving."""
+    import threading
+
+    replies: dict[str, Reply] = {}
+
+    def send(name, fields):
+        body = {"raw": fields} if isinstance(fields, bytes) else {"body": host.chat(**fields)}
+        replies[name] = host.send(**body, timeout=60)
+
+    jobs = [threading.Thread(target=send, args=(name, fields)) for name, (fields, _) in STORM.items()]
+    jobs.append(threading.Thread(target=send, args=("ordinary", {"structured_outputs": {"regex": YEAR}})))
+    for job in jobs:
+        job.start()
+    health = []
+    while any(job.is_alive() for job in jobs):  # (at least one check while they are in flight)
+        health.append(host.health())
+        time.sleep(0.02)
+    for job in jobs:
+        job.join()
+    assert host.launched.proc.poll() is None, "the server died"
+    assert [n for n, r in replies.items() if r.status is None or r.status >= 500] == [], \
+        {n: (r.status, r.body) for n, r in replies.items()}
+    for name, (_, reason) in STORM.items():
+        r = replies[name]
+        assert r.status is not None and 400 <= r.status < 500, (name, r.status, r.body)
+        assert re.search(reason, r.message), (name, r.message)
+        assert not INTERNALS.search(r.message), (name, r.message)
+    ordinary = replies["ordinary"]
+    assert ordinary.status == 200 and re.fullmatch(YEAR, ordinary.content), (ordinary.status, ordinary.body)
+    slowest = max(replies.values(), key=lambda r: r.seconds)
+    assert slowest.seconds < DEADLINE_S + 1.0, {n: round(r.seconds, 2) for n, r in replies.items()}
+    assert health and max(health) < 1.0, health
+    print(f"\nstorm, {host.kind}: {len(replies)} requests, slowest answer {slowest.seconds:.2f} s, "
+          f"{len(health)} health checks, slowest {max(health):.2f} s")
+    host.serves()
 
 
 # ---------------------------------------------------------------------------------------------- generated bodies
