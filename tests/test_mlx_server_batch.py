@@ -6,6 +6,9 @@ answered with its error while the rest of its batch goes on."""
 from __future__ import annotations
 
 import json
+import logging
+import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -80,13 +83,13 @@ def _processors(provider, body):
     return fields["specgrammar"], server_plugin.logits_processors(args, provider.tokenizer, provider.model)
 
 
-def _batched(model, prompts, processors, eos, max_tokens=MAX_TOKENS):
-    """mlx-lm's own ``BatchGenerator`` (greedy, ending on the EOS tokens), every row with its own processors; the
-    tokens of each row."""
+def _batched(model, prompts, processors, eos, max_tokens=MAX_TOKENS, sampler=None):
+    """mlx-lm's own ``BatchGenerator`` (greedy unless ``sampler``, ending on the EOS tokens), every row with its own
+    processors; the tokens of each row."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, completion_batch_size=len(prompts), prefill_batch_size=len(prompts),
-                         stop_tokens=[[e] for e in sorted(eos)])
+                         stop_tokens=[[e] for e in sorted(eos)], sampler=sampler)
     if isinstance(max_tokens, int):
         max_tokens = [max_tokens] * len(prompts)
     uids = gen.insert(prompts, max_tokens=list(max_tokens), logits_processors=processors)
@@ -291,3 +294,175 @@ def test_batched_requests_over_http_one_fault_fails_only_its_request(tiny, tmp_p
     finally:
         srv.stop()
 
+
+
+# ------------------------------------------------------------------------------------------------ speculative rows
+class _Guard:
+    """The server's ``_RowProcessors`` (the patch): a request's processors as one, its fault kept in ``error``."""
+
+    def __init__(self, processors):
+        self.processors = list(processors)
+        self.error = None
+
+    def __call__(self, tokens, logits):
+        if self.error is None:
+            try:
+                for p in self.processors:
+                    logits = p(tokens, logits)
+            except Exception as e:
+                self.error = e
+        return logits
+
+
+class _FailingConstraint:
+    """A compiled constraint whose matchers fail at their ``n``-th accepted token (a fault mid-way in one row)."""
+
+    def __init__(self, compiled, n):
+        self._c, self._n = compiled, n
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+    def matcher(self):
+        return _FailingMatcher(self._c.matcher(), self._n)
+
+
+class _FailingMatcher:
+    def __init__(self, m, n):
+        self._m, self._n, self.calls = m, n, 0
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def accept(self, t):
+        self.calls += 1
+        if self.calls == self._n:
+            raise RuntimeError("injected fault in this row's matcher")
+        return self._m.accept(t)
+
+
+def _served(model, prompts, processors, eos, max_tokens=MAX_TOKENS, steps=500):
+    """``_batched`` as the server reads the responses: a row whose guarded processors hold an error is done (the
+    server answers the error and removes the row)."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, completion_batch_size=len(prompts), prefill_batch_size=len(prompts),
+                         stop_tokens=[[e] for e in sorted(eos)])
+    uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts), logits_processors=processors)
+    guards = {u: (p[0] if p else None) for u, p in zip(uids, processors)}
+    out = {u: [] for u in uids}
+    done = set()
+    try:
+        for _ in range(steps):
+            if len(done) == len(uids):
+                break
+            for r in gen.next_generated():
+                if r.uid in done:
+                    continue
+                if guards[r.uid] is not None and guards[r.uid].error is not None:
+                    done.add(r.uid)
+                    gen.remove([r.uid])
+                    continue
+                out[r.uid].append(int(r.token))
+                if r.finish_reason is not None:
+                    done.add(r.uid)
+        assert len(done) == len(uids), "rows left unfinished"
+    finally:
+        gen.close()
+    return [out[u] for u in uids]
+
+
+def _spec_processors(provider, body, k=4):
+    """The plugin's processors for a batched request with its sampling options (a speculative row)."""
+    from specgrammar_mlx_lm import server_plugin
+
+    fields = server_plugin.request_fields(body, provider)
+    args = SimpleNamespace(plugin_fields=fields, max_tokens=body["max_tokens"], num_draft_tokens=k,
+                           sampling=SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                                                    xtc_probability=0.0))
+    return server_plugin.logits_processors(args, provider.tokenizer, provider.model)
+
+
+def test_speculative_rows_on_the_batching_path(tiny, monkeypatch):
+    """The batching path with the plugin's ``SpecGenerationBatch`` (``generation_batch_class``, what the patched
+    server builds its ``BatchGenerator`` with): twelve constrained requests of six workloads, one unconstrained
+    request (a plain row in the same forward) and one whose matcher fails at its 6th token.  Each constrained row's
+    greedy output equals the same request decoded alone (mlx-lm's ``generate_step`` with its processor), the
+    unconstrained one equals mlx-lm's plain greedy decoding, the failing row's error is kept for the server to
+    answer, and the batch takes fewer target forwards than the longest row has tokens."""
+    import importlib
+
+    from specgrammar_mlx_lm import server_plugin
+    from specgrammar_mlx_lm.batch_server import generation_batch_class
+
+    from test_mlx_common import CountingModel, plain_generate_step, prompt_ids
+
+    model, tok = tiny
+    provider = _provider(model, tok)
+    monkeypatch.setitem(server_plugin._config, "batch_drafts", "on")
+    assert server_plugin.generation_batch_class(provider) is generation_batch_class()
+    G = importlib.import_module("mlx_lm.generate")
+    monkeypatch.setattr(G, "GenerationBatch", generation_batch_class())  # what the patch's hook does
+    rows = _rows(tok)
+    procs = [[_Guard(_spec_processors(provider, _body(ex)))] for _, ex, _ in rows]
+    assert all(p[0].processors[0].batch_row is not None for p in procs)
+    prompts = [p for _, _, p in rows]
+    fault = _Guard(_spec_processors(provider, _body(rows[0][1])))
+    plan = fault.processors[0].batch_row
+    fault.processors[0].batch_row = replace(plan, compiled=_FailingConstraint(plan.compiled, 6))
+    hello = prompt_ids(tok, "Say hello")
+    eos = set(tok.eos_token_ids)
+    counting = CountingModel(model)
+    outs = _served(counting, prompts + [hello, rows[0][2]], procs + [[], [fault]], eos)
+    *outs, plain, failed = outs
+    for (w, ex, prompt), out in zip(rows, outs):
+        _, (alone,) = _processors(provider, _body(ex))
+        assert out == plain_generate_step(model, prompt, processor=alone, max_tokens=MAX_TOKENS, eos_ids=eos), w
+    assert plain == plain_generate_step(model, hello, max_tokens=MAX_TOKENS, eos_ids=eos)
+    assert isinstance(fault.error, RuntimeError) and "injected" in str(fault.error), fault.error
+    assert 1 <= len(failed) < 6  # answered up to its fault
+    longest = max(len(o) for o in outs)
+    assert counting.calls < longest, (counting.calls, longest)  # prefill + one batched forward per round
+
+
+def test_speculative_rows_keep_the_law_at_t1(tiny, monkeypatch, caplog):
+    """The batching path's speculative rows at T = 1 (first token: mlx-lm's sampler under the grammar processor;
+    then our loop's drafts, verified in batched forwards): 300 rows of the email grammar (``test_mlx_law``'s
+    ``email`` case: [a-d]{1,3}), in batches of 60, against the enumerated law of plain constrained sampling
+    (chi-square, fails below p = 1e-3); the same samples against the T = 0.7 law must fail."""
+    import importlib
+
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from specgrammar_mlx_lm.batch_server import generation_batch_class
+    from specgrammar_mlx_lm.processor import GrammarLogitsProcessor
+    from specgrammar_plugins.api import SamplingParams, SpecOptions
+
+    from test_mlx_law import P_FLOOR, chi_square_p, exact_law, law_case
+
+    from specgrammar_mlx_lm.batch_server import RowPlan
+
+    model, tok = tiny
+    ids, compiled = law_case((model, None, tok), "email")
+    G = importlib.import_module("mlx_lm.generate")
+    monkeypatch.setattr(G, "GenerationBatch", generation_batch_class())
+    eos = set(tok.eos_token_ids)
+    mx.random.seed(0)
+    caplog.set_level(logging.INFO, logger="specgrammar.mlx_lm")
+    samples, per = [], 60
+    for b in range(300 // per):
+        procs = []
+        for i in range(per):
+            p = GrammarLogitsProcessor(compiled)
+            p.batch_row = RowPlan(compiled, SpecOptions(k=4), SamplingParams(temperature=1.0), 8, seed=1000 * b + i)
+            procs.append([_Guard([p])])
+        samples += map(tuple, _batched(model, [ids] * per, procs, eos, max_tokens=8, sampler=make_sampler(1.0)))
+    assert all(g.error is None for p in procs for g in p)
+    rows = [tuple(map(int, m.groups())) for m in
+            (re.search(r"batch: (\d+) tokens, (\d+) target passes", r.getMessage()) for r in caplog.records) if m]
+    assert len(rows) == 300 and sum(t for t, _ in rows) > sum(p for _, p in rows) + 50  # drafts were accepted
+    p1 = chi_square_p(samples, exact_law(model, ids, compiled, SamplingParams(temperature=1.0)))
+    print(f"speculative rows, email T=1: chi-square p {p1:.3g}")
+    assert p1 > P_FLOOR
+    assert chi_square_p(samples, exact_law(model, ids, compiled, SamplingParams(temperature=0.7))) < P_FLOOR

@@ -3,7 +3,8 @@
 mlx-lm has no plugin mechanism; ``patches/mlx_lm-server-plugin.diff`` (upstream-ready, host-neutral) adds
 ``mlx_lm.server --plugin NAME`` (pluggy plugins from the ``mlx_lm.server_plugins`` entry-point group, hooks in the
 new module ``mlx_lm/server_plugins.py``; a plugin may batch a request although a draft model is loaded, the
-target alone decoding it) and makes the server store prompt caches under the tokens they hold.  On the batching
+target alone decoding it; a plugin may name the ``GenerationBatch`` class the batching path decodes with, hook
+``generation_batch_class``) and makes the server store prompt caches under the tokens they hold.  On the batching
 path a fault in one request's logits processor fails that request only (``upstream/batch-processor-faults.diff``).  It
 also closes holes of the host's own HTTP server (made against mlx-lm 0.32.2; issue 33, ``tests/test_hostile_host.py``):
 image URLs are never fetched (image parts on a text-only model are a 400), stop strings end the generation instead of

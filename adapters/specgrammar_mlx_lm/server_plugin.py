@@ -15,10 +15,16 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
 - without a draft model, a constrained request stays on mlx-lm's batching path (``BatchGenerator``): each row
   gets its own history-keyed grammar logits processor (``logits_processors``) with its budget in the row, the exact
   bound (regex, choice, ...) as it is, a certified bound (JSON Schema on xgrammar / llguidance) as a mask row
-  (``_RowCut``: ``Budget.mask_row``, as on vLLM; mlx-lm's sampler cannot draw again).  The patch runs each
-  batched request's processors guarded: a fault in one fails that request (HTTP 500), the batch goes on.  A
-  request whose ``specgrammar`` object asks for drafting (``k`` not 0) or for the cost-aware options is served by
-  our loop instead (``is_batchable`` False; forced-token, recipe, ... drafting), one at a time.
+  (``_RowCut``: ``Budget.mask_row``, as on vLLM; mlx-lm's sampler cannot draw again), and the request's
+  ``batch_server.RowPlan``.  The batching path decodes with ``batch_server.SpecGenerationBatch``
+  (``generation_batch_class``; ``--specgrammar-batch-drafts on``, the default): after its first token each
+  constrained row drafts under its own grammar (forced, recipe, layout, prompt copy, suffix; ``k``: the request's,
+  ``--specgrammar-k``, else ``--num-draft-tokens``) and one batched forward verifies every row's drafts, each row by
+  our loop's exact law, its cache rolled back alone (``off``: one token per row per forward).  The patch runs each
+  batched request's processors guarded: a fault in one, or in a row's drafting or verdict, fails that request
+  (HTTP 500), the batch goes on.  A request whose ``specgrammar`` object asks for drafting (``k`` not 0) or for the
+  cost-aware options is served by our loop instead (``is_batchable`` False; forced-token, recipe, ... drafting,
+  and the draft model if loaded), one at a time.
 - with ``--draft-model`` a request served alone runs the core ``SpeculativeLoop`` (``stream_generate``):
   grammar-aware drafts, exact accept/residual verification, both caches left holding exactly prompt + yielded
   tokens.  This also routes around mlx-lm 0.32.2's prompt-cache off-by-one with a draft model (the stock loop
@@ -26,9 +32,9 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
   mlx-lm turns batching off when a draft model is loaded (``is_batchable = draft_model is None``, mlx-lm 0.32.2);
   the patch lets a plugin batch a request anyway (the target alone decodes it; its prompt caches are kept apart
   from the draft path's), and this plugin does so for a request that arrives while others wait or decode
-  (``--specgrammar-batch auto``, the default): concurrent requests are batched without drafts, a request alone
-  gets the speculative loop.  Batched speculative decoding (drafts for many rows verified in one pass) is not
-  built yet.
+  (``--specgrammar-batch auto``, the default): concurrent requests are batched (speculative rows with the
+  model-free drafters: the draft model drafts only for a request served alone), a request alone gets the
+  speculative loop.
 - compiles past ``SPECGRAMMAR_COMPILE_TIMEOUT_S`` are killed, not left running: the server sets
   ``compile_isolation="process"`` (``compile_worker``) unless ``SPECGRAMMAR_COMPILE_ISOLATION`` says otherwise.
 - every request goes through the core's gate first (``check_request``): numbers finite and in range, unknown
@@ -59,7 +65,7 @@ from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, Host
 hookimpl = pluggy.HookimplMarker("mlx_lm.server")
 log = logging.getLogger("specgrammar.mlx_lm")
 
-_config = {"engine": None, "k": None, "recipes": None, "context_length": None, "batch": "auto"}
+_config = {"engine": None, "k": None, "recipes": None, "context_length": None, "batch": "auto", "batch_drafts": "on"}
 
 
 @dataclass
@@ -101,6 +107,11 @@ def add_arguments(parser):
                         help="with --draft-model: auto (default) batches a request that arrives while others wait "
                              "or decode, without drafts, and serves one alone with our speculative loop; never: "
                              "every request runs our loop, one at a time")
+    parser.add_argument("--specgrammar-batch-drafts", choices=("on", "off"), default="on",
+                        help="on (default): constrained requests on the batching path draft (forced tokens, "
+                             "recipes, prompt copy, suffix, layout) and one batched forward verifies every row's "
+                             "drafts (batch_server.SpecGenerationBatch); off: one token per row per forward, "
+                             "mlx-lm's own batching with the grammar processor")
 
 
 @hookimpl
@@ -113,6 +124,7 @@ def configure(cli_args, model_provider):
     _config["recipes"] = str(Path(recipes).resolve()) if recipes is not None else None
     _config["context_length"] = getattr(cli_args, "specgrammar_context_length", None)
     _config["batch"] = getattr(cli_args, "specgrammar_batch", None) or "auto"
+    _config["batch_drafts"] = getattr(cli_args, "specgrammar_batch_drafts", None) or "on"
     # a server abandons a compile past the time limit for real: the compiling process is killed (see
     # compile_worker); SPECGRAMMAR_COMPILE_ISOLATION=thread keeps compiles in-process
     LIMITS.compile_isolation = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "process").strip()
@@ -335,9 +347,37 @@ def logits_processors(args, tokenizer, model):
     except (ConstraintError, ValueError) as e:  # never let a bad request kill the generation thread
         log.error("specgrammar: constraint failed at generation time: %s", e)
         return [stop_only_processor(tokenizer.eos_token_ids, str(e))]
+    row = _batch_row(plan, compiled, args)
     if fit is not None and fit.settles:
         fit = _RowCut(fit)  # certified: a row (our loop, when it serves the request, re-draws instead)
-    return [GrammarLogitsProcessor(compiled, fit=fit)]
+    proc = GrammarLogitsProcessor(compiled, fit=fit)
+    proc.batch_row = row  # on the batching path: a speculative row (batch_server), None: one token per pass
+    return [proc]
+
+
+def _batch_row(plan: RequestPlan, compiled, args):
+    """What makes the request a speculative row on the batching path (``batch_server.RowPlan``), or None: batch
+    drafts off, or sampling our verifier does not rebuild (xtc)."""
+    s = getattr(args, "sampling", None)
+    if _config["batch_drafts"] != "on" or s is None or getattr(s, "xtc_probability", 0.0) > 0.0:
+        return None
+    from .batch_server import RowPlan
+    from .generate import sampling_params
+
+    o = plan.options
+    k = o.k if o.k is not None else (_config["k"] if _config["k"] is not None else args.num_draft_tokens)
+    return RowPlan(compiled, replace(o, k=k), sampling_params(s.temperature, s.top_p, s.top_k, s.min_p),
+                   args.max_tokens)
+
+
+@hookimpl
+def generation_batch_class(model_provider):
+    """The batching path decodes with ``SpecGenerationBatch``: speculative rows for the constrained requests."""
+    if _config["batch_drafts"] != "on":
+        return None
+    from .batch_server import generation_batch_class as cls
+
+    return cls()
 
 
 # ---------------------------------------------------------------------------------------------- our loop

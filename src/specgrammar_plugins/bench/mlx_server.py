@@ -1,24 +1,28 @@
 """Benchmark ``mlx_server``: concurrent JSON Schema requests over HTTP against ``mlx_lm.server --plugin specgrammar``.
 
-One run starts the patched mlx-lm server twice on the same target (OpenBLAS preloaded when installed) and sends the
-same ``--n`` JSON Schema requests (``json_extraction`` eval prompts, ``response_format`` json_schema, greedy, the
-budget on as by default) in four ways:
+One run starts the patched mlx-lm server three times on the same target (OpenBLAS preloaded when installed) and
+sends the same ``--n`` JSON Schema requests (``json_extraction`` eval prompts, ``response_format`` json_schema,
+greedy, the budget on as by default) in six ways:
 
-    loop-serial       --draft-model: our speculative loop (grammar-aware drafts, exact verification), the requests
-                      one after another (before issue 34 the server served concurrent requests this way too:
-                      mlx-lm turns batching off with a draft model)
-    draft-concurrent  the same server, all requests at once: the first is served alone by our loop, those that
-                      arrive while others wait or decode join mlx-lm's batching path without drafts
-                      (``--specgrammar-batch auto``, the default)
-    batch-concurrent  no draft model: mlx-lm's own BatchGenerator, every row with our grammar logits processor
-                      (grammar + budget in the row), all requests at once: one batched forward per step
-    batch-serial      the same server, one after another (plain constrained decoding, no drafts)
+    loop-serial            --draft-model: our speculative loop (grammar-aware drafts, exact verification), the
+                           requests one after another (before issue 34 the server served concurrent requests this way
+                           too: mlx-lm turns batching off with a draft model)
+    draft-concurrent       the same server, all requests at once: the first is served alone by our loop, those that
+                           arrive while others wait or decode join the batching path (``--specgrammar-batch auto``)
+                           as speculative rows (model-free drafts, one batched verification forward per round)
+    spec-batch-concurrent  no draft model: the batching path with speculative rows (``SpecGenerationBatch``,
+                           ``--specgrammar-batch-drafts on``, the default): every row drafts under its own grammar
+                           (forced, recipe, layout, prompt copy, suffix), one batched forward verifies all rows
+    spec-batch-serial      the same server, one after another (each request a speculative row alone)
+    batch-concurrent       no draft model, ``--specgrammar-batch-drafts off``: mlx-lm's own BatchGenerator, every row
+                           with our grammar logits processor, no drafts: one token per row per batched forward
+    batch-serial           the same server, one after another (plain constrained decoding, no drafts)
 
 Reported per configuration (the fastest of ``--reps`` runs, the least disturbed on a shared machine; every run's
 wall in the JSON): wall seconds for the whole set, completion tokens (the server's ``usage``), aggregate
-tokens/s and its ratio to ``loop-serial``, tokens per target pass per request (our loop: from the server's log
-line per request; mlx-lm's loops decode one token per row per target forward: 1.00), how many requests our loop
-served, how many outputs are valid,
+tokens/s and its ratio to ``loop-serial``, tokens per target pass per request (our loop and each speculative row:
+from the server's log line per request, a row's first token's pass, the prefill's, counted; mlx-lm's own rows
+decode one token per target forward: 1.00), how many requests our loop served, how many outputs are valid,
 and whether each request's output equals its ``batch-serial`` output (the batched rows against plain constrained
 decoding of the same request alone) and its ``loop-serial`` output.  The load average is recorded before and after
 each configuration (the machine may be shared: compare ratios within one run).
@@ -42,8 +46,13 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-CONFIGS = ("loop-serial", "draft-concurrent", "batch-concurrent", "batch-serial")
-_LOOP_LINE = re.compile(r"specgrammar: (\d+) tokens, (\d+) target passes")
+CONFIGS = ("loop-serial", "draft-concurrent", "spec-batch-concurrent", "spec-batch-serial", "batch-concurrent",
+           "batch-serial")
+# (server, concurrent) -> configuration; servers: draft model | speculative rows, no draft | no drafts at all
+_NAMES = {("draft", False): "loop-serial", ("draft", True): "draft-concurrent",
+          ("spec", False): "spec-batch-serial", ("spec", True): "spec-batch-concurrent",
+          ("plain", False): "batch-serial", ("plain", True): "batch-concurrent"}
+_LOOP_LINE = re.compile(r"specgrammar( batch)?: (\d+) tokens, (\d+) target passes")
 
 
 def _free_port() -> int:
@@ -70,7 +79,8 @@ def _models(name: str) -> tuple[str, str, str]:
 class _Server:
     """The patched ``mlx_lm.server --plugin specgrammar`` in a process of its own (stopped by ``stop``)."""
 
-    def __init__(self, root: Path, target: str, draft: str | None, k: int, max_tokens: int, log: Path):
+    def __init__(self, root: Path, target: str, draft: str | None, k: int, max_tokens: int, log: Path,
+                 batch_drafts: bool = True):
         from specgrammar_mlx_lm.blas import openblas_path
 
         self.port = _free_port()
@@ -78,7 +88,8 @@ class _Server:
         cmd = [sys.executable, "-m", "mlx_lm.server", "--host", "127.0.0.1", "--port", str(self.port),
                "--model", target, "--max-tokens", str(max_tokens), "--plugin", "specgrammar", "--log-level", "INFO"]
         if draft:
-            cmd += ["--draft-model", draft, "--num-draft-tokens", str(k)]
+            cmd += ["--draft-model", draft]
+        cmd += ["--num-draft-tokens", str(k), "--specgrammar-batch-drafts", "on" if batch_drafts else "off"]
         # the preparation deadline (5 s by default) is not what this measures: on a shared machine a new schema's
         # budget walk can overrun it, and the warm-up request would get a 400
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
@@ -112,9 +123,10 @@ class _Server:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
-    def loop_lines(self) -> list[tuple[int, int]]:
-        """(tokens, target passes) of each request our loop served, from the server's log, in order."""
-        return [(int(a), int(b)) for a, b in _LOOP_LINE.findall(self.log.read_text())]
+    def loop_lines(self) -> list[tuple[int, int, bool]]:
+        """(tokens, target passes, batched) of each request our loop or a speculative row served, from the server's
+        log, in order."""
+        return [(int(a), int(b), bool(c)) for c, a, b in _LOOP_LINE.findall(self.log.read_text())]
 
     def stop(self) -> None:
         from ..testing import stop_server
@@ -158,9 +170,10 @@ def run(model: str, n: int, max_tokens: int, k: int, workdir: Path, reps: int = 
     root = patched_root(workdir / "mlx")[0]
     bodies = _bodies(n, max_tokens)
     rows: dict[str, dict] = {}
-    for with_draft in (True, False):
-        log = workdir / f"server-{'draft' if with_draft else 'batch'}.log"
-        server = _Server(root, target, draft if with_draft else None, k, max_tokens, log)
+    for kind in ("draft", "spec", "plain"):
+        log = workdir / f"server-{kind}.log"
+        server = _Server(root, target, draft if kind == "draft" else None, k, max_tokens, log,
+                         batch_drafts=kind != "plain")
         try:
             # warm-up, not timed: the compile cache, the first forward, and the batching path's first batch (on the
             # draft server its first use would otherwise fall in the timed concurrent run)
@@ -168,8 +181,7 @@ def run(model: str, n: int, max_tokens: int, k: int, workdir: Path, reps: int = 
             _send(server, bodies, True)
             before = len(server.loop_lines())
             for concurrent in (False, True):
-                name = {(True, False): "loop-serial", (True, True): "draft-concurrent",
-                        (False, False): "batch-serial", (False, True): "batch-concurrent"}[with_draft, concurrent]
+                name = _NAMES[kind, concurrent]
                 print(f"  {name} ...", flush=True)
                 tries = []
                 for _ in range(reps):
@@ -180,13 +192,12 @@ def run(model: str, n: int, max_tokens: int, k: int, workdir: Path, reps: int = 
                 tries.sort(key=lambda t: t[0]["wall_s"])
                 row, lines = tries[0]  # the fastest run: the least disturbed one on a shared machine
                 row["walls_s"] = sorted(t[0]["wall_s"] for t in tries)
-                if with_draft:
-                    # our loop's requests (its log line each); the others were batched: one token per row per pass
-                    row["tokens_per_pass"] = ([round(t / p, 3) if p else None for t, p in lines]
-                                              + [1.0] * (len(bodies) - len(lines)))
-                    row["served_by_loop"] = len(lines)
-                else:
-                    row["tokens_per_pass"] = [1.0] * len(bodies)  # mlx-lm's loops: one token per row per forward
+                # our loop's requests and the speculative rows (a log line each); mlx-lm's own rows: one token per
+                # row per forward
+                row["tokens_per_pass"] = ([round(t / p, 3) if p else None for t, p, _ in lines]
+                                          + [1.0] * (len(bodies) - len(lines)))
+                row["served_by_loop"] = sum(not b for _, _, b in lines)
+                row["speculative_rows"] = sum(b for _, _, b in lines)
                 rows[name] = row
         finally:
             server.stop()
@@ -208,13 +219,14 @@ def table(result: dict) -> str:
     rows = result["rows"]
     n = result["n"]
     body = [[name, f"{r['wall_s']:.2f}", r["tokens"], f"{r['tokens_per_s']:.1f}", f"{r['ratio_vs_loop_serial']:.2f}",
-             R.fmt(r["tokens_per_pass_mean"]), f"{r.get('served_by_loop', 0)}/{n}", f"{r['valid']}/{n}",
+             R.fmt(r["tokens_per_pass_mean"]), f"{r.get('served_by_loop', 0)}/{n}",
+             f"{r.get('speculative_rows', 0)}/{n}", f"{r['valid']}/{n}",
              f"{r['equal_to_batch_serial']}/{n}", f"{r['equal_to_loop_serial']}/{n}",
              f"{r['load_before']:.2f} / {r['load_after']:.2f}"]
             for name, r in rows.items()]
     return R.md_table(["configuration", "wall s", "tokens", "tokens/s", "vs loop-serial", "tokens/target pass",
-                       "by our loop", "valid", "= batch-serial", "= loop-serial", "load avg before / after"], body,
-                      right=range(1, 11))
+                       "by our loop", "speculative rows", "valid", "= batch-serial", "= loop-serial",
+                       "load avg before / after"], body, right=range(1, 12))
 
 
 def main(argv: list[str] | None = None) -> int:
