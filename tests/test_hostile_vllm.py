@@ -218,6 +218,8 @@ def vllm(tmp_path_factory):
     try:
         yield probe
     finally:
+        if launched.proc.poll() is None:  # the memory after every body, the valid costly ones included (printed)
+            server_rss_mb(launched.pid, "end")
         launched.stop()
         print(f"\nhostile vLLM probe: {sum(TALLY.values())} bodies: {json.dumps(TALLY)}; slowest health check "
               f"while one was prepared: {max(HEALTH_MAX, default=0):.2f} s; requests sent: "
