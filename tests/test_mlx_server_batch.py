@@ -425,6 +425,7 @@ def test_speculative_rows_on_the_batching_path(tiny, monkeypatch):
     assert counting.calls < longest, (counting.calls, longest)  # prefill + one batched forward per round
 
 
+@pytest.mark.slow  # 9-15 s (300 rows in 5 batches, the exact law enumerated twice)
 def test_speculative_rows_keep_the_law_at_t1(tiny, monkeypatch, caplog):
     """The batching path's speculative rows at T = 1 (first token: mlx-lm's sampler under the grammar processor;
     then our loop's drafts, verified in batched forwards): 300 rows of the email grammar (``test_mlx_law``'s
