@@ -28,7 +28,7 @@ decoding of the same request alone) and its ``loop-serial`` output.  The load av
 each configuration (the machine may be shared: compare ratios within one run).
 
     specgrammar bench mlx_server [--model tiny|smollm2-135m] [--n 8] [--max-tokens 64] [--k 4] [--reps 1]
-                                 [--out-dir bench-out/mlx_server] [--quick]
+                                 [--out-dir bench-out/mlx_server] [--quick] [--in-process]
 """
 
 from __future__ import annotations
@@ -213,6 +213,55 @@ def run(model: str, n: int, max_tokens: int, k: int, workdir: Path, reps: int = 
     return {"model": model, "what": what, "n": n, "max_tokens": max_tokens, "k": k, "reps": reps, "rows": rows}
 
 
+def in_process(model: str, n: int, max_tokens: int, k: int) -> dict:
+    """``--in-process``: the same requests without HTTP, in this process: a speculative batch
+    (``specgrammar_mlx_lm.batch.batch_generate``) and our serial loop (``stream_generate``) with the same model-free
+    chain, k.  Order: one serial pass (warm-up: compiles; the learning drafters see each answer once), a batch, the
+    timed serial pass, the timed batch; each row's tokens per target pass in both (at the same drafter state they
+    are the same drafts and verdicts), the batch's target passes, its padding share and the time of its forwards
+    and of its per-row rollback."""
+    from mlx_lm import load
+
+    from specgrammar_mlx_lm.batch import BatchRequest, batch_generate
+    from specgrammar_mlx_lm.generate import generate_tokens
+
+    from ..workloads import chat_prompt
+
+    target, _, what = _models(model)
+    lm, tok = load(target)
+    reqs = [BatchRequest(list(tok.encode(chat_prompt(b["messages"][0]["content"]), add_special_tokens=False)),
+                         constraint=_spec(b), max_tokens=max_tokens) for b in _bodies(n, max_tokens)]
+
+    def serial():
+        return [generate_tokens(lm, tok, list(r.prompt), max_tokens=max_tokens, constraint=r.constraint,
+                                num_draft_tokens=k, temperature=0.0) for r in reqs]
+
+    serial()
+    first, _ = batch_generate(lm, tok, reqs, k=k)
+    t0 = time.perf_counter()
+    ser = serial()
+    t_serial = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs, tgt = batch_generate(lm, tok, reqs, k=k)
+    t_batch = time.perf_counter() - t0
+    return {"model": model, "what": what, "n": n, "max_tokens": max_tokens, "k": k,
+            "serial_s": round(t_serial, 2), "batch_s": round(t_batch, 2),
+            "tokens": [sum(s.emitted for _, s in ser), sum(s.emitted for _, s in outs)],
+            "equal": sum(a[0] == b[0] for a, b in zip(ser, outs)),
+            "tokens_per_pass_first_batch": [round(s.tokens_per_pass, 2) for _, s in first],
+            "tokens_per_pass_serial": [round(s.tokens_per_pass, 2) for _, s in ser],
+            "tokens_per_pass_batch": [round(s.tokens_per_pass, 2) for _, s in outs],
+            "serial_passes": sum(s.target_passes for _, s in ser), "batch_passes": tgt.passes,
+            "padding_share": round(tgt.padding / max(tgt.fed, 1), 3), "forward_s": round(tgt.forward_s, 2),
+            "rollback_s": round(tgt.rollback_s, 3)}
+
+
+def _spec(body: dict):
+    from ..constraint import ConstraintSpec
+
+    return ConstraintSpec.json_schema(body["response_format"]["json_schema"]["schema"])
+
+
 def table(result: dict) -> str:
     from . import _report as R
 
@@ -244,12 +293,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round of our loop (--num-draft-tokens)")
     ap.add_argument("--reps", type=int, default=1, help="runs of each configuration; the fastest is reported (the "
                                                         "least disturbed on a shared machine; all walls in the JSON)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="no server: the speculative batch against our serial loop in this process (see in_process)")
     R.add_common_args(ap, "mlx_server")
     args = ap.parse_args(argv)
     n = args.n or (4 if args.quick else 8)
     max_tokens = args.max_tokens or (32 if args.quick else 64)
     print(f"BLAS: {preloaded() or 'reference (mlx wheel default; apt-get install -y libopenblas0-pthread)'}")
     rep = R.Report("mlx_server", args, argv)
+    if args.in_process:
+        result = in_process(args.model, n, max_tokens, args.k)
+        print(json.dumps(result, indent=1))
+        rep.write({**result, "blas": preloaded()})
+        return 0
     with tempfile.TemporaryDirectory(prefix="specgrammar-bench-mlx-server-") as tmp:
         result = run(args.model, n, max_tokens, args.k, Path(tmp), reps=max(1, args.reps))
     print()
