@@ -136,8 +136,7 @@ class GrammarStates(RequestTable):
         tok = self._tokenizer_info(stop_ids, eos)
         engine = self._engine_for(so)
         try:
-            compiled = self.memo(("compiled", key, engine, stop_ids, eos) if key else None,
-                                  lambda: compile_constraint(spec, tok, engine=engine, **self.engine_options))
+            compiled = self._compiled(spec, key, tok, engine, stop_ids, eos)
         except ConstraintError as e:  # vLLM's own backend refuses it too (or will): no drafts, no failure here
             self.counters["compile_errors"] += 1
             log.warning("specgrammar: no grammar drafts for a request: %s", e)
@@ -183,6 +182,28 @@ class GrammarStates(RequestTable):
                         list(names))
             drafter = chain(names)
         return RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids, draws=draws)
+
+    def _compiled(self, spec, key, tok, engine: str, stop_ids: tuple[int, ...], eos):
+        """The request's constraint as vLLM's backend enforces it, kept by its params (``memo``).  Our strict mode
+        refuses a JSON Schema keyword the engine does not enforce (``pattern``, some ``format``s); vLLM's own
+        xgrammar backend (vLLM 0.32) accepted the request and ignores that keyword, so the drafts follow the schema
+        without it: compiled again with ``strict`` off, the engine ignoring what vLLM's ignores.  (Before, such a
+        request got no drafts at all: 3 of the 7 dev-split schemas vLLM answered in ``bench real``, issue 32.)  Our
+        launcher refuses these schemas up front (``serve.py``); this is for every other way into the engine."""
+        def compile_():
+            try:
+                return compile_constraint(spec, tok, engine=engine, **self.engine_options)
+            except ConstraintError as e:  # (the strict refusal's own words, schema.refusal; other errors stand)
+                if (spec.kind != "json_schema" or spec.option("strict", True) is False
+                        or "strict=false" not in e.reason):
+                    raise
+                options = (*((k_, v) for k_, v in spec.options if k_ != "strict"), ("strict", False))
+                compiled = compile_constraint(replace(spec, options=options), tok, engine=engine, **self.engine_options)
+                self.counters["lenient_compiles"] = self.counters.get("lenient_compiles", 0) + 1
+                log.info("specgrammar: drafting under the schema as vLLM's backend enforces it (%s)", e.reason)
+                return compiled
+
+        return self.memo(("compiled", key, engine, stop_ids, eos) if key else None, compile_)
 
     def _request_draws(self, sp, req_id: str | None) -> RequestDraws:
         """A request's random draws, keyed by its own seed, else the engine's and its id (draws.py): never by this
