@@ -3,30 +3,40 @@
 # pytest's exit code 5 (no tests collected) counts as success.
 #
 # The suite runs on pytest-xdist workers where memory allows, a file's tests on one worker (tests/conftest.py's
-# scheduler, so a module's server or engine starts once), and the files that build vLLM engines in the test process
-# on one worker together, so one worker holds vLLM's memory.  Measured on the 2-core, 24 GB machine (2026-11-26): that
-# worker reached 15 GB, the other 5.5 GB, and the servers the tests start ~3-4 GB more, and the kernel killed the
-# first.  So a machine gets one worker per core, as many as fit after the first worker's 20 GB by 8 GB each, at most
-# 4: 24 GB runs the suite in one process, 28 GB on two workers.  SPECGRAMMAR_TEST_WORKERS=N sets the count (0 or 1:
-# one process); `-n N` or `-p no:xdist` on the command line wins.  `make test-fast` passes `-m "not slow"`.
+# scheduler, so a module's server or engine starts once).  Two groups of files are one work unit each: those that
+# build vLLM engines in the test process (conftest.VLLM_IN_PROCESS), so one worker holds vLLM's memory, and those
+# that start vLLM servers (conftest.VLLM_SERVERS), so two never run at once.  Measured on the 2-core, 24 GB machine
+# (2026-11-26): the vLLM-engine worker reached 15 GB, another 5.5 GB, and the servers the tests start ~3-4 GB more,
+# and the kernel killed the first.  So a machine with 28 GB or more runs everything on one worker per core (at most
+# 4); a smaller one runs the rest of the suite on up to two workers (one per core, 8 GB each beyond the first
+# 8 GB) and then the vLLM-engine files in one process of their own.  SPECGRAMMAR_TEST_WORKERS=N sets the count
+# for everything (1: no xdist at all); `-n N` or `-p no:xdist` on the command line wins.  `make test-fast` passes
+# `-m "not slow"`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export TOKENIZERS_PARALLELISM=false VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
 .venv/bin/lint-imports --no-cache || { echo "lint-imports: a layers contract is broken (see docs/ARCHITECTURE.md)"; exit 1; }
 xdist=()
+rest=()  # xdist options for the first process of the two-process layout
 case " $* " in
   *" -n "*|*" -n="*|*" --numprocesses"*|*"no:xdist"*) ;;
   *)
+    cores=$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 1)
+    mem_gb=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 16)
     workers=${SPECGRAMMAR_TEST_WORKERS:-}
     if [ -z "$workers" ]; then
-      cores=$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 1)
-      mem_gb=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 16)
       workers=$cores
       fit=$((1 + (mem_gb - 20) / 8))
       [ "$mem_gb" -lt 20 ] && fit=1
       [ "$fit" -lt "$workers" ] && workers=$fit
       [ "$workers" -gt 4 ] && workers=4
       [ "$workers" -lt 1 ] && workers=1
+      # without vLLM's engines a worker holds ~5.5 GB: the rest of the suite fits two workers in 8 GB each
+      # beyond the first 8 GB (24 GB: two)
+      r=$(( (mem_gb - 8) / 8 ))
+      [ "$r" -gt "$cores" ] && r=$cores
+      [ "$r" -gt 2 ] && r=2
+      [ "$r" -gt 1 ] && rest=(-n "$r" --dist loadgroup --max-worker-restart 0)
     fi
     # a worker the kernel kills ends the run with its error (xdist's replacement worker once hung the run)
     [ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadgroup --max-worker-restart 0)
@@ -35,15 +45,16 @@ esac
 explicit=0  # test paths named on the command line: run just what was asked, in one process
 for a in "$@"; do case "$a" in tests*|*.py|*::*) explicit=1 ;; esac; done
 if [ "${#xdist[@]}" -eq 0 ] && [ "$explicit" -eq 0 ]; then
-  # One worker: two processes, one after the other.  The files that build vLLM engines in the test process
-  # (tests/conftest.py VLLM_IN_PROCESS) run last in a process of their own: vLLM does not give an engine's memory
-  # back, and one process running the whole suite reached 20 GB on the 24 GB machine, so the servers that
-  # test_vllm_serve starts after them could not (2026-11-26, a fresh clone).
+  # One worker for vLLM's engines: two runs, one after the other.  The files that build vLLM engines in the test
+  # process (tests/conftest.py VLLM_IN_PROCESS) run last in a process of their own: vLLM does not give an engine's
+  # memory back, and one process running the whole suite reached 20 GB on the 24 GB machine, so the servers that
+  # test_vllm_serve starts after them could not (2026-11-26, a fresh clone).  The rest runs first, on two
+  # workers where memory allows.
   vllm_files=$(.venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); import conftest; \
 print(' '.join('tests/' + f for f in sorted(conftest.VLLM_IN_PROCESS)))")
   ignore=()
   for f in $vllm_files; do ignore+=("--ignore=$f"); done
-  .venv/bin/python -m pytest "$@" "${ignore[@]}"
+  .venv/bin/python -m pytest "${rest[@]}" "$@" "${ignore[@]}"
   rc=$?
   # shellcheck disable=SC2086
   .venv/bin/python -m pytest "$@" $vllm_files

@@ -113,6 +113,11 @@ SLOW_FILES = {
 VLLM_IN_PROCESS = {"test_models_hosts.py", "test_real_model.py", "test_vllm_adapter.py", "test_vllm_budget.py",
                    "test_vllm_draft_model.py", "test_vllm_proposer.py", "test_vllm_ranks.py"}
 VLLM_IN_PROCESS_GROUP = "vllm-in-process"
+# The files that start vLLM servers or `bench vllm_host` as child processes (3-5 GB each while they run): one work
+# unit too, so two workers never hold two vLLM servers at once beside the mlx and llama.cpp files on the other.
+VLLM_SERVERS = {"test_bench_suite.py", "test_concurrency.py", "test_hostile.py", "test_hostile_vllm.py",
+                "test_vllm_serve.py"}
+VLLM_SERVERS_GROUP = "vllm-servers"
 SLOW_TESTS = {
     "test_budget.py": {"test_generated_schemas_end_within_the_budget", "test_regex_and_choice_end_within_the_budget",
                        "test_the_output_law_is_the_target_law_under_the_budget_mask",
@@ -157,9 +162,12 @@ def pytest_collection_modifyitems(config, items):
 def work_unit(nodeid: str) -> str:
     """What pytest-xdist hands one worker at a time (scripts/test.sh): a test file, so a module-scoped server or
     engine starts once, except that the files building vLLM engines in the test process are one unit, so one worker
-    holds vLLM's memory and the others do not."""
+    holds vLLM's memory and the others do not, and the files starting vLLM servers are another."""
     path = nodeid.split("::", 1)[0]
-    return VLLM_IN_PROCESS_GROUP if path.rsplit("/", 1)[-1] in VLLM_IN_PROCESS else path
+    name = path.rsplit("/", 1)[-1]
+    if name in VLLM_IN_PROCESS:
+        return VLLM_IN_PROCESS_GROUP
+    return VLLM_SERVERS_GROUP if name in VLLM_SERVERS else path
 
 
 @pytest.hookimpl(optionalhook=True)

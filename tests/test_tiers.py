@@ -33,7 +33,8 @@ def test_slow_files_are_not_also_listed_by_test():
 
 def test_every_file_that_builds_a_vllm_engine_in_process_shares_the_vllm_group():
     """scripts/test.sh sizes its xdist workers on one worker holding vLLM's engines: a file that builds one and is
-    left out of conftest.VLLM_IN_PROCESS would put a second vLLM on another worker (two did not fit in 24 GB)."""
+    left out of conftest.VLLM_IN_PROCESS would put a second vLLM on another worker (two did not fit in 24 GB).
+    Likewise a file that starts vLLM servers belongs to conftest.VLLM_SERVERS, so two never run at once."""
     import re
 
     builds = {p.name for p in TESTS.glob("test_*.py") if re.search(r"\b(make_llm|LLM)\(", p.read_text())}
@@ -41,6 +42,12 @@ def test_every_file_that_builds_a_vllm_engine_in_process_shares_the_vllm_group()
                                                 f"{sorted(builds - conftest.VLLM_IN_PROCESS)}"
     missing = [f for f in conftest.VLLM_IN_PROCESS if not (TESTS / f).exists()]
     assert not missing, f"conftest.VLLM_IN_PROCESS lists files that are not in tests/: {missing}"
+
+    starts = {p.name for p in TESTS.glob("test_*.py")
+              if re.search(r"\b(launch_vllm|launch_command)\(|bench\(tmp_path, \"vllm_host\"", p.read_text())}
+    assert starts <= conftest.VLLM_SERVERS, f"start vLLM servers, not in VLLM_SERVERS: " \
+                                            f"{sorted(starts - conftest.VLLM_SERVERS)}"
+    assert not conftest.VLLM_SERVERS & conftest.VLLM_IN_PROCESS
 
 
 def test_a_files_tests_run_on_one_xdist_worker():
@@ -65,3 +72,5 @@ def test_a_files_tests_run_on_one_xdist_worker():
     assert len(re.findall(r"PASSED", p.stdout)) >= 3 and len(workers) == 1, p.stdout[-2000:]
     assert {conftest.work_unit("tests/test_vllm_adapter.py::t"),
             conftest.work_unit("tests/test_real_model.py::t[x]")} == {conftest.VLLM_IN_PROCESS_GROUP}
+    assert {conftest.work_unit("tests/test_hostile.py::t[vllm]"),
+            conftest.work_unit("tests/test_vllm_serve.py::t")} == {conftest.VLLM_SERVERS_GROUP}
