@@ -7,8 +7,10 @@ a valid output of a constraint token by token with the Qwen2.5 tokenizer (151,66
 backend does) and times that fill and the budget's cut, with the budget tight (the output's own length: the cut
 binds at the end) and loose (+64 tokens), each for a first request of the constraint and again for a
 later one (what is kept per constraint is then built).  CPU time of this thread, median and mean per row.
+``SPECGRAMMAR_VLLM_BUDGET_FAR`` picks what the certified rows check far from the limit, as in the engine.
 
     python scripts/vllm_budget_rows.py
+    SPECGRAMMAR_VLLM_BUDGET_FAR=open python scripts/vllm_budget_rows.py
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ CASES = [
 
 
 def main() -> int:
+    from specgrammar_vllm.budget_mask import FAR
+
     if not TOKENIZER.exists():
         print(f"no tokenizer at {TOKENIZER}", file=sys.stderr)
         return 1
@@ -43,7 +47,7 @@ def main() -> int:
 
     hf = AutoTokenizer.from_pretrained(str(TOKENIZER))
     tok = TokenizerInfo.from_hf(hf)
-    print(f"vocabulary {tok.vocab_size}; CPU us per row (median / mean over the output's positions)")
+    print(f"far zone: {FAR}; vocabulary {tok.vocab_size}; CPU us per row (median / mean over the output's positions)")
     print("| constraint | budget | mode | positions | rows cut | xgrammar fill | budget cut | cut / fill | output's own token cut |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, spec, text in CASES:
@@ -59,7 +63,7 @@ def main() -> int:
                 t0 = time.thread_time_ns()
                 m.fill_mask(row)
                 t1 = time.thread_time_ns()
-                ncut += bool(b.mask_row(row, ids[:i], 16))
+                ncut += bool(b.mask_row(row, ids[:i], 16, far=FAR))
                 t2 = time.thread_time_ns()
                 fill.append((t1 - t0) / 1e3)
                 cut.append((t2 - t1) / 1e3)

@@ -148,3 +148,94 @@ def test_what_the_run_counts_as_refused_at_compile_and_by_the_budget(tok):
                                   "cut_off", "invalid")} == {"schemas": 5, "refused_compile": 1, "refused_budget": 1,
                                                              "answered": 3, "complete": 2, "valid": 1, "cut_off": 1,
                                                              "invalid": 1}
+
+
+# an array whose item needs far more tokens than the budget leaves (issue 35's two cut-offs at T = 0.7, GitHub hard
+# o48771 and o47247: one token, `{"` after `[`, opened an item of ~720 tokens while the certificate's slack was ~200)
+ITEM = {"type": "object", "properties": {f"field{i}": {"type": "string"} for i in range(40)},
+        "required": [f"field{i}" for i in range(40)], "additionalProperties": False}
+BIG_ITEMS = {"type": "object", "properties": {"name": {"type": "string"}, "list": {"type": "array", "items": ITEM}},
+             "required": ["name", "list"], "additionalProperties": False}
+
+
+def _opener_first(tok, allowed):
+    """The most wasteful choice: a token that opens a container, else the highest id (long strings, spaces)."""
+    return next((t for t in allowed if any(c in tok.token_bytes[t] for c in b"{[")), allowed[-1])
+
+
+def test_a_token_that_opens_an_item_longer_than_the_budget_is_cut_far_from_the_limit(tok):
+    """Far from the limit (the certificate's slack ~200 tokens, well above the margin of 16) the row still cuts a
+    token that would leave no completion within the budget: the item's opening brace, whose shortest completion is
+    longer than the whole budget.  Choosing an opener wherever the combined rows allow one, every row has a token
+    and the output ends complete and valid within the budget, the certificate never lost (before: the brace was
+    allowed, the certificate lost, and the output ran to the budget)."""
+    import jsonschema
+
+    c = _compile(tok, BIG_ITEMS)
+    budget = check_budget(c, SpecOptions(), BUDGET)
+    assert budget.mode == "certified" and budget.shortest < 40
+    m, words = c.matcher(), mask_words(tok.vocab_size)
+    start = tok.encode('{"name":"x","list":[')  # the array opened early (the slack still ~200)
+    out: list[int] = []
+    while not m.is_terminated():
+        assert len(out) < BUDGET, tok.decode(out)
+        row = _row(m, words)
+        budget.mask_row(row, out, 16, far="open")
+        assert not budget.lost_midway, tok.decode(out)
+        allowed = [t for t in range(tok.vocab_size) if mask_allows(row, t)]
+        assert allowed, f"an empty row after {len(out)} tokens: {tok.decode(out)[-40:]!r}"
+        t = start[len(out)] if len(out) < len(start) else _opener_first(tok, allowed)
+        if t in tok.stop_token_ids:
+            break
+        assert m.accept(t)
+        out.append(t)
+    value = json.loads(tok.decode(out))
+    jsonschema.validate(value, BIG_ITEMS)
+    assert value["list"] == []
+
+
+def _in_the_array(tok):
+    """BIG_ITEMS' budget, and a matcher after ``{"name":"x","list":[`` (the prefix)."""
+    c = _compile(tok, BIG_ITEMS)
+    prefix = tok.encode('{"name":"x","list":[')
+    m = c.matcher()
+    assert all(m.accept(t) for t in prefix)
+    return check_budget(c, SpecOptions(), BUDGET), prefix, m, mask_words(tok.vocab_size)
+
+
+def test_a_draft_alone_is_checked_as_in_the_whole_row(tok):
+    """``BudgetedGrammar.fitting`` checks a draft alone (``whole=False``): the item's opener is cut there too."""
+    from specgrammar_plugins.masks import set_bit
+
+    budget, prefix, m, words = _in_the_array(tok)
+    row = _row(m, words)
+    openers = [t for t in range(tok.vocab_size) if mask_allows(row, t) and tok.token_bytes[t].startswith(b"{")]
+    assert openers
+    budget.mask_row(row, prefix, 16, far="open")
+    assert not any(mask_allows(row, t) for t in openers)
+    for t in openers:
+        one = np.zeros(words, dtype=np.int32)
+        set_bit(one, t)
+        budget.mask_row(one, prefix, 16, whole=False, far="open")
+        assert not mask_allows(one, t)
+
+
+def test_a_prefix_left_without_a_certificate_is_counted(tok):
+    """With the far zone unchecked (``far="off"``, the former rows) the item's opener is allowed, and a later row
+    finds no certificate: ``lost_midway`` says so (``budget_mask`` counts it, ``budget_lost_midway``; before, a
+    request that lost its certificate mid-way was counted nowhere)."""
+    budget, prefix, m, words = _in_the_array(tok)
+    row = _row(m, words)
+    budget.mask_row(row, prefix, 16, far="off")
+    opener = next(t for t in range(tok.vocab_size) if mask_allows(row, t) and tok.token_bytes[t].startswith(b"{"))
+    out = [*prefix, opener]
+    assert m.accept(opener)
+    for _ in range(40):  # (far from the limit the prefixes since the last certified one are not worked out)
+        row = _row(m, words)
+        budget.mask_row(row, out, 16, far="off")
+        if budget.lost_midway:
+            break
+        t = max(t for t in range(tok.vocab_size) if mask_allows(row, t))
+        assert m.accept(t)
+        out.append(t)
+    assert budget.lost_midway, tok.decode(out)

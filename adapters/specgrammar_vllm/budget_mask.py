@@ -17,11 +17,18 @@ to the target's logits before vLLM's sampler and rejection sampler read them.  S
   ``gate_check``).
 - **cheap per step**: the grammar vLLM keeps for the request is wrapped (``BudgetedGrammar``); after vLLM's
   backend fills a row, ``Budget.mask_row`` cuts it in place for the position's prefix (exact: a cached row per DFA
-  state and slack, and nothing at all while the budget does not bind; certified: nothing while the slack to the
-  certificate is at least ``SPECGRAMMAR_VLLM_BUDGET_MARGIN`` tokens, then the certificate's own way among a
-  bounded set of candidates).  The row is a function of the prefix alone, so the target position and every
-  verification position of a speculative step read the same combined grammar-and-budget row plain decoding
-  reads: greedy speculative output equals greedy plain output, and at T > 0 vLLM's rejection sampler returns the
+  state and slack, and nothing at all while the budget does not bind; certified: within
+  ``SPECGRAMMAR_VLLM_BUDGET_MARGIN`` tokens of the certificate the certificate's own way among a bounded set of
+  candidates; farther, the tokens that can raise the certificate by more than the slack in one step, one
+  certificate walk per structure group: ``SPECGRAMMAR_VLLM_BUDGET_FAR`` = ``off`` (default: none, the premise
+  that no token jumps the margin; an array item of ~720 tokens opened with ~200 left breaks it, issue 35's two
+  cut-offs at T = 0.7), ``open`` (the groups that open an object or an array: those two are cut; 18-44% of the
+  target step on SmolLM2-135M, against 2-4% off), ``all`` (every structure group: keys, an array's next item,
+  value strings too; ~0.5 ms a row at 151,665 tokens).  A request
+  whose prefix is left without a certificate is counted (``budget_lost_midway``, and per request in ``LOST``),
+  as one with none at the start is (``budget_lost``)).  The row is a function of the prefix alone, so the target
+  position and every verification position of a speculative step read the same combined grammar-and-budget row
+  plain decoding reads: greedy speculative output equals greedy plain output, and at T > 0 vLLM's rejection sampler returns the
   target's law under the combined row.
 - **drafts**: vLLM's ``validate_tokens`` of a step's drafts goes through the wrapper too, which ends them
   before the first one the budget's row forbids where drafts are a function of the prefix (greedy requests,
@@ -50,10 +57,15 @@ log = logging.getLogger("vllm.specgrammar")
 
 MODULE = "vllm.v1.structured_output"
 MARGIN = int(os.environ.get("SPECGRAMMAR_VLLM_BUDGET_MARGIN", 16))
+# what the certified rows check far from the limit (``CertifiedBudget.mask_row``): off (default) | open | all
+FAR = os.environ.get("SPECGRAMMAR_VLLM_BUDGET_FAR", "off")
+if FAR not in ("open", "all", "off"):
+    FAR = "off"
 COUNTERS: dict = {"budget_requests": 0, "budget_exact": 0, "budget_certified": 0, "budget_refused": 0,
                   "budget_skipped": 0, "budget_errors": 0, "budget_rows": 0, "budget_cut_rows": 0,
-                  "budget_lost": 0, "budget_drafts_cut": 0, "budget_uncertified": 0, "budget_ns": 0,
+                  "budget_lost": 0, "budget_lost_midway": 0, "budget_drafts_cut": 0, "budget_uncertified": 0, "budget_ns": 0,
             "budget_draft_ns": 0}  # budget_ns: the scheduler's rows and draft checks; budget_draft_ns: the proposers'
+LOST: dict = {}  # ids of the requests that lost their certificate mid-way (budget_lost_midway), the last 4096
 _LOCK = threading.Lock()
 # request id -> its BudgetedGrammar (the proposers in the same EngineCore process read it)
 _LIVE: "weakref.WeakValueDictionary[str, BudgetedGrammar]" = weakref.WeakValueDictionary()
@@ -128,13 +140,15 @@ class BudgetedGrammar:
         if not self.deterministic_drafts or not len(drafts) or not self.words:
             return len(drafts)
         from specgrammar_plugins.api import mask_allows
+        from specgrammar_plugins.masks import set_bit
 
         t0 = time.thread_time_ns()
         try:
             prefix = [int(t) for t in generated]
             for i, t in enumerate(drafts):
-                row = np.full(self.words, -1, dtype=np.int32)
-                self.budget.mask_row(row, prefix, self.margin)
+                row = np.zeros(self.words, dtype=np.int32)  # the draft alone: only it is checked (a draft the
+                set_bit(row, int(t))  # target's whole row cuts after all is rejected by that row: exact)
+                self.budget.mask_row(row, prefix, self.margin, whole=False, far=FAR)
                 if not mask_allows(row, int(t)):
                     return i
                 prefix.append(int(t))
@@ -165,13 +179,21 @@ class BudgetedGrammar:
                 _VIEWS.clear()
                 view = _VIEWS[id(bitmask)] = (bitmask, bitmask.numpy())
             row = view[1][idx]  # a view of vLLM's CPU bitmask: cut in place
-            cut = self.budget.mask_row(row, self.tokens, self.margin)
+            cut = self.budget.mask_row(row, self.tokens, self.margin, far=FAR)
             if not self.lost and getattr(self.budget, "lost", False):
                 self.lost = True
                 _count("budget_lost")
                 log.warning("specgrammar: request %s left the certified budget (a token raised its shortest "
                             "completion by %d or more at once); it may be cut off at max_tokens", self.req_id,
                             self.margin)
+            if not self.lost and getattr(self.budget, "lost_midway", False):
+                self.lost = True  # a committed prefix no certificate within the budget follows (a token the far
+                _count("budget_lost_midway")  # zone does not check: string content a loose pattern sends far)
+                LOST[self.req_id] = None
+                while len(LOST) > 4096:
+                    LOST.pop(next(iter(LOST)))
+                log.warning("specgrammar: request %s lost its budget certificate after %d tokens; it may be cut "
+                            "off at max_tokens", self.req_id, len(self.tokens))
             if cut:
                 _count("budget_cut_rows")
         except Exception as e:  # never break the step: this request goes on without the cut
@@ -187,7 +209,7 @@ class BudgetedGrammar:
 class _Off:
     lost = False
 
-    def mask_row(self, row, generated, margin=0) -> bool:
+    def mask_row(self, row, generated, margin=0, whole=True, far="off") -> bool:
         return False
 
 
@@ -259,7 +281,11 @@ def build(manager, request):
     tok = with_stops(grammar_tokenizer(manager.tokenizer, vocab, engine), getattr(sp, "all_stop_token_ids", None),
                      getattr(sp, "eos_token_id", None))
     compiled = compile_constraint(spec, tok, engine=engine, **options)
-    return check_budget(compiled, SpecOptions(), int(sp.max_tokens))
+    budget = check_budget(compiled, SpecOptions(), int(sp.max_tokens))
+    walk_vocab = getattr(budget, "_vocab", None)
+    if walk_vocab is not None and FAR != "off":
+        walk_vocab.lexed()  # (once per tokenizer, ~0.8 s at 151,665 tokens: here in the compile thread, not the step)
+    return budget
 
 
 def wrap_create_grammar(cls) -> None:

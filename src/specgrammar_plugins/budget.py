@@ -107,10 +107,12 @@ class Budget:
             if self.feasible(generated, t):
                 return t
 
-    def mask_row(self, row: np.ndarray, generated: Sequence[int], margin: int = 0) -> bool:
+    def mask_row(self, row: np.ndarray, generated: Sequence[int], margin: int = 0, whole: bool = True,
+                 far: str = "off") -> bool:
         """For hosts that can only mask the target's row (vLLM's structured-output bitmask), never re-draw: cut
         ``row`` in place to tokens that keep a completion within the budget; whether it removed one.  Exact: the
-        same cut as ``restrict``.  Certified: see ``CertifiedBudget.mask_row``."""
+        same cut as ``restrict``.  Certified: see ``CertifiedBudget.mask_row``.  ``whole``: ``row`` is the
+        grammar's whole row (False: some tokens to check, e.g. a draft alone)."""
         return self.restrict(row, generated)
 
     def report(self) -> dict:
@@ -331,6 +333,74 @@ class _WalkVocab:
         self.closers = frozenset(single[b] for b in b"}]" if b in single)
         self.comma = single.get(0x2C)
         self.blanks = [single[b] for b in _WHITESPACE if b in single]
+        # per lexical context, the tokens that can jump (``CertifiedBudget.mask_row``'s far zone: ``_opens``)
+        self.token_bytes = tok.token_bytes
+        self._lexed: tuple | None = None
+
+    def lexed(self) -> tuple:
+        """(per context: which tokens can jump, each token's structure group; token lengths), built on first use
+        (~0.8 s at 151,665 tokens: only hosts that apply the budget as a mask row need it)."""
+        if self._lexed is None:
+            jumps, groups = {}, {}
+            for ctx in _CONTEXTS:
+                seen: dict[bytes, int] = {}
+                lexed = [_opens(b, *ctx) for b in self.token_bytes]
+                jumps[(*ctx, "all")] = np.array([j for j, _ in lexed], dtype=bool)
+                jumps[(*ctx, "open")] = np.array([j and (b"{" in g or b"[" in g) for j, g in lexed], dtype=bool)
+                groups[ctx] = np.array([seen.setdefault(g, len(seen)) for _, g in lexed], dtype=np.int64)
+            packed = {k: pack_mask(v) for k, v in jumps.items() if k[3] == "open"}
+            self._lexed = (jumps, groups, np.array([len(b) for b in self.token_bytes], dtype=np.int64), packed)
+        return self._lexed
+
+
+# lexical contexts of a position: (in a string, in a key, the innermost container)
+_CONTEXTS = [(True, False, "{"), (True, False, "["), (True, True, "{"), (False, False, "{"), (False, False, "["),
+             (False, True, "{")]
+
+
+def _opens(tb: bytes, in_str: bool, key: bool, kind: str) -> tuple[bool, bytes]:
+    """(whether a token spelling ``tb`` in that context can raise the shortest completion by more than the token it
+    costs, its structure): it opens something (``{``, ``[``, a value after ``:``, an array's next item after
+    ``,``), commits a key (its content or its closing quote), or is an empty / control token.  Whitespace between
+    values, a value string's quotes and content, numbers and literals, and closers (``}``, ``]``: they only end
+    what is open) keep the parent's certificate's remainder, or end it sooner (a value string's ``pattern`` aside).
+    The structure: the token's bytes less whitespace and value-string content, and whether it ends in a string
+    (tokens of one structure make the same jump).  ``key`` outside a string: an object key is expected."""
+    if not tb:
+        return True, b"\x00empty"
+    stack, esc, expect_key = [kind], False, key and not in_str
+    jump, shape = False, bytearray()
+    for b in tb:
+        if in_str:
+            if esc:
+                esc = False
+            elif b == 0x5C:
+                esc = True
+            elif b == 0x22:
+                in_str = False
+                shape.append(b)
+                jump |= key  # a key closed: its value is now owed
+            elif b < 0x20:
+                jump = True
+                shape.append(b)
+            elif key:
+                jump = True  # key content: it may commit to one property
+                shape.append(b)
+            continue
+        if b in _WHITESPACE:
+            continue
+        shape.append(b)
+        if b == 0x22:
+            in_str, key, expect_key = True, expect_key, False
+        elif b in b"{[:":
+            jump = True
+        elif b == 0x2C:
+            if stack[-1] != "{":
+                jump = True  # an array's next item (or a container not known: after a closer)
+            expect_key = stack[-1] == "{"
+        elif b in b"}]":
+            stack = stack[:-1] or ["?"]
+    return jump, bytes(shape) + (b"\x00in" if in_str else b"")
 
 
 def _ids(ids: list[int]) -> np.ndarray:
@@ -361,6 +431,10 @@ class CertifiedBudget(Budget):
         self.prefer_after_digit, self.digits, self.enders, self.blanks = (v.prefer_after_digit, v.digits, v.enders,
                                                                           v.blanks)
         self.closers, self.comma = v.closers, v.comma
+        self._vocab = v
+        self.lost_midway = False  # a committed prefix with no certificate within the budget (mask_row: counted)
+        self._far: dict = {}  # prefix -> the far zone's row of the tokens that fit (None: all), the last 64
+        self._reps: dict = {}  # (prefix, token) -> its certificate's length (``_rep_len``)
         # xgrammar 0.2.8 accepts tokens its own mask leaves out (after `"Cla` in an enum's "Classical", `ssi`:
         # accept_token says yes, fill_next_token_bitmask has only `s`): a host samples from the mask, so a
         # certificate must be a way the masks allow (``_MaskChecked``), or the certificate's own next token is not
@@ -634,51 +708,178 @@ class CertifiedBudget(Budget):
         finally:
             self.ns += time.perf_counter_ns() - t0
 
-    def mask_row(self, row: np.ndarray, generated: Sequence[int], margin: int = 16) -> bool:
+    SMALL = 64  # a string row of at most this many tokens (an enum's, a strict pattern's) is checked whole
+
+    def mask_row(self, row: np.ndarray, generated: Sequence[int], margin: int = 16, whole: bool = True,
+                 far: str = "off") -> bool:
         """The certified bound as a mask row (a deterministic function of the prefix, so plain and speculative
-        decoding see the same row): while the slack ``r - |certificate|`` is at least ``margin`` the row is left
-        as it is; below it only tokens with a certified completion within the tokens left stay, among a bounded
-        set of candidates: the certificate's next token (always fits), the tokens spelling a prefix of its text,
-        and the stop tokens.  Sound within the tight zone, cheap (at most ``max_bytes`` + a few certificates per
-        position); a token outside it that raises the certificate by ``margin`` or more in one step is not
-        prevented (and not counted: ``lost`` is set only when nothing is certified at the start; an array item
-        whose schema requires hundreds of tokens does this, issue 35's dev split at T = 0.7).  Far from the budget
-        (the slack of the last certified prefix, less ``margin - 1`` per token since, still at least ``margin``)
-        nothing is certified."""
+        decoding see the same row), for hosts that cannot re-draw (vLLM).  A token stays if its certificate fits
+        in the tokens left.  Which tokens are checked:
+
+        - **tight zone** (slack ``r - |certificate|`` below ``margin``): only a bounded set of candidates stay if
+          they fit: the certificate's next token (always fits), the tokens spelling a prefix of its text, and the
+          stop tokens (cheap: at most ``max_bytes`` + a few certificates per position);
+        - **far zone**: the tokens that can jump.  A token that leaves the structure as it was (JSON whitespace
+          between values, string content: no quote, backslash or control byte) keeps the parent's certificate
+          (U(h.t) <= U(h) <= r - 1), so it fits; every other token the row allows (structure: an opening brace,
+          a comma, a quote closing a string; and, in a string whose row holds at most ``SMALL`` tokens, an
+          enum's or a strict pattern's, its content too, where ``row`` is ``whole``) is certified (``_next``) and cut when nothing fits.  An
+          array item whose schema needs 720 tokens is cut when ~200 are left (issue 35's dev split at T = 0.7:
+          the former shortcut left the far zone's rows whole, assuming no token jumps ``margin`` or more).
+          Not covered: string content that a loose pattern (more than ``SMALL`` tokens allowed) sends much
+          further; a prefix left without a certificate is counted (``lost_midway``).
+
+        ``far`` (what the far zone checks): ``"all"`` every such token, as above (sound but up to ~0.5 ms a row
+        at 151,665 tokens: a certificate walk per structure group); ``"open"`` only the groups that open an
+        object or an array (``{``, ``[``: issue 35's two cut-offs), skipped on rows that allow none; ``"off"``
+        (default) none: the margin's premise, no token jumps ``margin`` or more (the far zone's prefixes are then
+        not even certified; a lost one is counted later, nearer the limit).  ``open`` made the budget mask
+        18-44% of vLLM's target step on SmolLM2-135M (``off``: 2-4%; issue 35's target <= 10%), hence not the
+        default.
+        """
         if self.lost:
             return False
         t0 = time.perf_counter_ns()
         try:
             r = self.budget - len(generated)
-            path = self._path
-            lim = min(len(path), len(generated))
-            known = self._certs[lim] if path[:lim] == list(generated[:lim]) else None
-            if known is not None and r - (len(known) + (len(generated) - lim) * max(margin - 1, 0)) >= margin:
-                # far from the budget: with no token raising the certificate by ``margin`` or more (the tight
-                # zone's premise) the slack is still at least ``margin`` here, so the row is not cut; the
-                # certificates of the tokens since (a step's drafts, mostly) are not worked out
-                return False
+            if far != "all":
+                path = self._path
+                lim = min(len(path), len(generated))
+                known = self._certs[lim] if path[:lim] == list(generated[:lim]) else None
+                if known is not None and r - (len(known) + (len(generated) - lim) * max(margin - 1, 0)) >= margin \
+                        and (far == "off" or not self._opener_in(row, generated, lim)):
+                    # far from the budget and nothing that opens an object or an array in the row: with no other
+                    # token raising the certificate by ``margin`` or more (the premise) the slack is still at
+                    # least ``margin`` here; the certificates of the tokens since (drafts, mostly) are not worked
+                    # out
+                    return False
             parent = self._sync(generated)
             if parent is None:
+                self.lost_midway = True
                 return False
-            if r - len(parent) >= margin or not parent:
+            if not parent:
                 return False
-            text = self._text(parent)
-            table = self.spell.table
-            cands = dict.fromkeys([parent[0], *(t for t in self.stops if t < self.tok.vocab_size),
-                                   *(table[text[:i]] for i in range(1, min(len(text), self.max_bytes) + 1)
-                                     if text[:i] in table)])
-            fits = np.zeros_like(row)
-            for t in cands:
-                if mask_allows(row, t) and (t == parent[0] or self._next(parent, generated, int(t), r) is not None):
-                    set_bit(fits, int(t))
-            cut = bool(np.any(row & ~fits))
+            if r - len(parent) < margin:
+                text = self._text(parent)
+                table = self.spell.table
+                cands = dict.fromkeys([parent[0], *(t for t in self.stops if t < self.tok.vocab_size),
+                                       *(table[text[:i]] for i in range(1, min(len(text), self.max_bytes) + 1)
+                                         if text[:i] in table)])
+                fits = np.zeros_like(row)
+                for t in cands:
+                    if mask_allows(row, t) and (t == parent[0] or self._next(parent, generated, int(t), r) is not None):
+                        set_bit(fits, int(t))
+            elif far == "off":
+                return False
+            else:
+                fits = self._far_fits(row, generated, parent, r, whole, far)
+                if fits is None:
+                    return False
+            n = min(len(row), len(fits))
+            cut = bool(np.any(row[:n] & ~fits[:n]))
             if cut:
-                np.bitwise_and(row, fits, out=row)
+                np.bitwise_and(row[:n], fits[:n], out=row[:n])
                 self.cut_rows += 1
             return cut
         finally:
             self.ns += time.perf_counter_ns() - t0
+
+    def _blank(self, t: int) -> bool:
+        tb = self.tok.token_bytes[t] if 0 <= t < len(self.tok.token_bytes) else b""
+        return bool(tb) and not tb.strip(_WHITESPACE)
+
+    def _rep_len(self, generated: Sequence[int], base: int, rep: int) -> int | None:
+        """The length of the certificate of ``generated[:base]`` + ``rep`` (within the tokens left there), kept
+        per (that prefix, token): None when none fits."""
+        key = (tuple(generated[:base]), rep)
+        if key in self._reps:
+            return self._reps[key]
+        parent = self._certs[base]
+        c = None if parent is None else self._next(parent, list(generated[:base]), rep, self.budget - base)
+        if len(self._reps) >= 4096:
+            self._reps.pop(next(iter(self._reps)))
+        self._reps[key] = n = None if c is None else len(c)
+        return n
+
+    def _opener_in(self, row: np.ndarray, generated: Sequence[int], lim: int) -> bool:
+        """Whether ``row`` allows a token that opens an object or an array after ``generated`` (whose first ``lim``
+        tokens are on the committed path): the lexical state from the path's, the tokens since fed."""
+        scan = self._scans[lim] if lim < len(self._scans) else self._scan_of(generated[:lim])
+        if lim < len(generated):
+            scan = scan.copy()
+            scan.feed(self.tok.decode(list(generated[lim:])))
+        packed = self._vocab.lexed()[3]
+        kind = scan.stack[-1][0] if scan.stack else "["
+        if scan.esc or kind not in "{[":
+            jumps = packed[(False, False, "[", "open")]
+        elif scan.in_str:
+            jumps = packed[(True, scan.key_buf is not None, kind, "open")]
+        else:
+            jumps = packed[(False, scan.expect_key and kind == "{", kind, "open")]
+        n = min(len(row), len(jumps))
+        return bool(np.any(row[:n] & jumps[:n]))
+
+    def _far_fits(self, row: np.ndarray, generated: Sequence[int], parent: tuple, r: int, whole: bool,
+                  far: str) -> np.ndarray | None:
+        """The far zone's packed row of the tokens that fit (None: every token the row allows fits), kept for the
+        last prefixes asked (vLLM fills a position's row again as the target's after it was a draft's)."""
+        key = (tuple(generated), row.tobytes(), whole, far)
+        if key in self._far:
+            return self._far[key]
+        jumps_by, groups_by, lens, _ = self._vocab.lexed()
+        scan = self._scans[len(generated)]
+        kind = scan.stack[-1][0] if scan.stack else "["
+        if (scan.esc or kind not in "{[") and far == "all":
+            jumps = None  # (a token after a backslash, or in parentheses: every token is checked)
+        elif scan.esc or kind not in "{[":
+            jumps = jumps_by[(False, False, "[", far)]  # (the openers as between values)
+        elif scan.in_str:
+            jumps = jumps_by[(True, scan.key_buf is not None, kind, far)]
+        else:
+            jumps = jumps_by[(False, scan.expect_key and kind == "{", kind, far)]
+        bits = np.unpackbits(row.view(np.uint8), bitorder="little")[: self.tok.vocab_size]
+        if jumps is not None and not (far == "all" and whole and scan.in_str and scan.key_buf is None
+                                      and int(bits.sum()) <= self.SMALL):
+            bits &= jumps[: len(bits)]
+        jumpers = np.flatnonzero(bits)
+        drop: list[int] = []
+        if jumps is None:
+            drop = [int(t) for t in jumpers if int(t) != parent[0] and int(t) not in self.stops
+                    and self._next(parent, generated, int(t), r) is None]
+        elif len(jumpers):
+            # one certificate per structure: its shortest token's, one token shorter than the room, keeps the
+            # whole group (the others differ by string content and whitespace); else that token alone if it fits
+            # (one walk per group: a token that opens too much is walked to the walk's end once per position)
+            ctx = ((True, scan.key_buf is not None, kind) if scan.in_str
+                   else (False, scan.expect_key and kind == "{", kind)) if kind in "{[" else (False, False, "[")
+            groups = groups_by[ctx][jumpers]
+            order = np.lexsort((lens[jumpers], groups))
+            jumpers, groups = jumpers[order], groups[order]
+            firsts = np.flatnonzero(np.r_[True, groups[1:] != groups[:-1]])
+            ends = np.r_[firsts[1:], len(jumpers)]
+            # (between values, whitespace since the last other token changes nothing: the certificate is worked
+            # out once from before it, and kept; whitespace before a token does not change what ends it)
+            base = len(generated)
+            if not scan.in_str:
+                while base > 0 and self._blank(int(generated[base - 1])):
+                    base -= 1
+            for a, z in zip(firsts.tolist(), ends.tolist()):
+                rep = int(jumpers[a])
+                n = self._rep_len(generated, base, rep)
+                if n is not None and n <= r - 2:
+                    continue
+                keep_rep = (n is not None and n <= r - 1) or rep == parent[0] or rep in self.stops
+                drop.extend(int(t) for t in jumpers[a + keep_rep:z]
+                            if int(t) != parent[0] and int(t) not in self.stops)
+        fits = None
+        if drop:
+            fits = np.full_like(row, -1)
+            for t in drop:
+                clear_bit(fits, t)
+        if len(self._far) >= 64:
+            self._far.pop(next(iter(self._far)))
+        self._far[key] = fits
+        return fits
 
     def report(self) -> dict:
         return {**super().report(), "walks": self.walks, "certified": not self.lost}

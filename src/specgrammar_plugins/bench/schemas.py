@@ -335,7 +335,7 @@ def read_schemas(files: list[Path], limit: int) -> list[dict]:
 def vllm_rows(recs: list[dict]) -> list[dict]:
     """Per temperature and family (and all): the split's schemas, refused at compile, refused up front by the
     budget, refused in the engine, answered; of the answered: complete, valid, cut off, invalid (complete and not
-    valid), validator errors; served without a certified budget."""
+    valid), validator errors; served without a certified budget; those whose certificate was lost mid-way."""
     rows = []
     for t in sorted({r["temperature"] for r in recs}):
         for fam in [*sorted({r["family"] for r in recs}), "all"]:
@@ -351,6 +351,7 @@ def vllm_rows(recs: list[dict]) -> list[dict]:
                          "invalid": sum(r["complete"] and r["valid"] is False for r in ans),
                          "validator_errors": sum(r["complete"] and r["valid"] is None for r in ans),
                          "uncertified": sum(bool(r.get("uncertified")) for r in ans),
+                         "lost_midway": sum(bool(r.get("lost_midway")) for r in ans),
                          "exact": sum(r.get("mode") == "exact" for r in ans)})
             rows[-1]["share"] = R.ratio(rows[-1]["valid"], len(ans)) if ans else None
     return rows
@@ -359,11 +360,11 @@ def vllm_rows(recs: list[dict]) -> list[dict]:
 def vllm_table(rows: list[dict]) -> str:
     head = ["T", "family", "schemas", "refused at compile", "refused by the budget", "refused in the engine",
             "answered", "complete", "complete and valid", "cut off", "invalid", "validator errors",
-            "without a certified budget"]
+            "without a certified budget", "certificate lost mid-way"]
     keys = ["schemas", "refused_compile", "refused_budget", "refused_engine", "answered", "complete", "valid",
-            "cut_off", "invalid", "validator_errors", "uncertified"]
+            "cut_off", "invalid", "validator_errors", "uncertified", "lost_midway"]
     return R.md_table(head, [[f"{r['temperature']:g}", r["family"], *(r[k] for k in keys)] for r in rows],
-                      right=range(2, 13))
+                      right=range(2, 14))
 
 
 def refusal_counts(recs: list[dict]) -> dict[str, int]:

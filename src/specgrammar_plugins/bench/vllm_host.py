@@ -257,6 +257,7 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
         "budget_rows": budget1["budget_rows"] - budget0["budget_rows"],
         "budget_cut_rows": budget1["budget_cut_rows"] - budget0["budget_cut_rows"],
         "budget_lost": budget1["budget_lost"] - budget0["budget_lost"],
+        "budget_lost_midway": budget1["budget_lost_midway"] - budget0["budget_lost_midway"],
         "budget_on": BM.enabled(),
         "draft_forward_ms_per_draft_step": ns["draft_forward"] / drafts / 1e6 if drafts else 0.0,
         "draft_passes_per_draft_step": timers.calls["draft_forward"] / drafts if drafts else 0.0,
@@ -393,6 +394,7 @@ def dev_split(items: list[dict], temperatures: Sequence[float] = (0.0,), k: int 
                 _emit(fh, done, dict(g, refused=not ended, refused_at=None if ended else "engine",
                                      reason=None if ended else reason, finish_reason=reason,
                                      tokens=len(c.token_ids), complete=complete, valid=valid, cut=reason == "length",
+                                     lost_midway=o.request_id in BM.LOST,
                                      prompt_chars=chars, prompt_tokens=len(o.prompt_token_ids or ()),
                                      text=None if complete and valid else c.text))
             bar.update(len(part))
