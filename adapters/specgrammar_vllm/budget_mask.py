@@ -139,8 +139,7 @@ class BudgetedGrammar:
         where drafts are sampled: see ``validate_tokens``)."""
         if not self.deterministic_drafts or not len(drafts) or not self.words:
             return len(drafts)
-        from specgrammar_plugins.api import mask_allows
-        from specgrammar_plugins.masks import set_bit
+        from specgrammar_plugins.api import mask_allows, set_bit
 
         t0 = time.thread_time_ns()
         try:
