@@ -9,7 +9,8 @@
 # (2026-11-26): the vLLM-engine worker reached 15 GB, another 5.5 GB, and the servers the tests start ~3-4 GB more,
 # and the kernel killed the first.  So a machine with 28 GB or more runs everything on one worker per core (at most
 # 4); a smaller one runs the rest of the suite on up to two workers (one per core, 8 GB each beyond the first
-# 8 GB) and then the vLLM-engine files in one process of their own.  SPECGRAMMAR_TEST_WORKERS=N sets the count
+# 4 GB) and then the vLLM-engine files in one process of their own.  Either way the files that bound a server's
+# wall-clock answers (conftest.ALONE) run in a process of their own.  SPECGRAMMAR_TEST_WORKERS=N sets the count
 # for everything (1: no xdist at all); `-n N` or `-p no:xdist` on the command line wins.  `make test-fast` passes
 # `-m "not slow"`.
 set -uo pipefail
@@ -31,9 +32,9 @@ case " $* " in
       [ "$fit" -lt "$workers" ] && workers=$fit
       [ "$workers" -gt 4 ] && workers=4
       [ "$workers" -lt 1 ] && workers=1
-      # without vLLM's engines a worker holds ~5.5 GB: the rest of the suite fits two workers in 8 GB each
-      # beyond the first 8 GB (24 GB: two)
-      r=$(( (mem_gb - 8) / 8 ))
+      # without vLLM's engines two workers fit in ~18 GB (measured: 9.7 GB and ~3 GB, the servers ~5 GB more):
+      # one per 8 GB beyond the first 4 GB (a 24 GB machine, which reports 23: two)
+      r=$(( (mem_gb - 4) / 8 ))
       [ "$r" -gt "$cores" ] && r=$cores
       [ "$r" -gt 2 ] && r=2
       [ "$r" -gt 1 ] && rest=(-n "$r" --dist loadgroup --max-worker-restart 0)
@@ -42,29 +43,45 @@ case " $* " in
     [ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadgroup --max-worker-restart 0)
     ;;
 esac
-explicit=0  # test paths named on the command line: run just what was asked, in one process
+explicit=0  # test paths named on the command line: run just what was asked, in one run
 for a in "$@"; do case "$a" in tests*|*.py|*::*) explicit=1 ;; esac; done
-if [ "${#xdist[@]}" -eq 0 ] && [ "$explicit" -eq 0 ]; then
-  # One worker for vLLM's engines: two runs, one after the other.  The files that build vLLM engines in the test
-  # process (tests/conftest.py VLLM_IN_PROCESS) run last in a process of their own: vLLM does not give an engine's
-  # memory back, and one process running the whole suite reached 20 GB on the 24 GB machine, so the servers that
-  # test_vllm_serve starts after them could not (2026-11-26, a fresh clone).  The rest runs first, on two
-  # workers where memory allows.
-  vllm_files=$(.venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); import conftest; \
-print(' '.join('tests/' + f for f in sorted(conftest.VLLM_IN_PROCESS)))")
-  ignore=()
-  for f in $vllm_files; do ignore+=("--ignore=$f"); done
-  .venv/bin/python -m pytest "${rest[@]}" "$@" "${ignore[@]}"
+if [ "$explicit" -eq 1 ]; then
+  .venv/bin/python -m pytest "${xdist[@]}" "$@"
   rc=$?
-  # shellcheck disable=SC2086
-  .venv/bin/python -m pytest "$@" $vllm_files
-  rc2=$?
-  [ "$rc" -eq 5 ] && rc=0
-  [ "$rc2" -eq 5 ] && rc2=0
-  [ "$rc" -eq 0 ] && rc=$rc2
+  if [ "$rc" -eq 5 ]; then echo "pytest collected no tests (exit 5): treated as success"; exit 0; fi
   exit "$rc"
 fi
-.venv/bin/python -m pytest "${xdist[@]}" "$@"
-rc=$?
-if [ "$rc" -eq 5 ]; then echo "pytest collected no tests (exit 5): treated as success"; exit 0; fi
-exit "$rc"
+# Runs one after the other; exit code 5 (nothing collected, e.g. under -m) counts as success.
+# 1. the rest of the suite on the workers;
+# 2. the files that bound a server's wall-clock answers (conftest.ALONE), in one process with nothing beside them:
+#    on 2 cores a second worker delayed their client and server by seconds;
+# 3. with one worker for vLLM's engines: the files that build them in the test process (conftest.VLLM_IN_PROCESS),
+#    last, in a process of their own: vLLM does not give an engine's memory back, and one process running the whole
+#    suite reached 20 GB on the 24 GB machine, so the servers test_vllm_serve starts after them could not
+#    (2026-11-26, a fresh clone).
+files() {
+  .venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); import conftest; \
+print(' '.join('tests/' + f for f in sorted(conftest.$1)))"
+}
+alone_files=$(files ALONE)
+vllm_files=""
+opts=("${xdist[@]}")
+if [ "${#xdist[@]}" -eq 0 ]; then
+  vllm_files=$(files VLLM_IN_PROCESS)
+  opts=("${rest[@]}")
+fi
+ignore=()
+for f in $alone_files $vllm_files; do ignore+=("--ignore=$f"); done
+final=0
+run() {
+  "$@"
+  local r=$?
+  [ "$r" -eq 5 ] && r=0
+  [ "$final" -eq 0 ] && final=$r
+}
+run .venv/bin/python -m pytest "${opts[@]}" "$@" "${ignore[@]}"
+# shellcheck disable=SC2086
+run .venv/bin/python -m pytest "$@" $alone_files
+# shellcheck disable=SC2086
+[ -n "$vllm_files" ] && run .venv/bin/python -m pytest "$@" $vllm_files
+exit "$final"

@@ -40,8 +40,9 @@ def test_every_file_that_builds_a_vllm_engine_in_process_shares_the_vllm_group()
     builds = {p.name for p in TESTS.glob("test_*.py") if re.search(r"\b(make_llm|LLM)\(", p.read_text())}
     assert builds <= conftest.VLLM_IN_PROCESS, f"build vLLM engines in process, not in VLLM_IN_PROCESS: " \
                                                 f"{sorted(builds - conftest.VLLM_IN_PROCESS)}"
-    missing = [f for f in conftest.VLLM_IN_PROCESS if not (TESTS / f).exists()]
-    assert not missing, f"conftest.VLLM_IN_PROCESS lists files that are not in tests/: {missing}"
+    for name in ("VLLM_IN_PROCESS", "VLLM_SERVERS", "ALONE"):
+        missing = [f for f in getattr(conftest, name) if not (TESTS / f).exists()]
+        assert not missing, f"conftest.{name} lists files that are not in tests/: {missing}"
 
     starts = {p.name for p in TESTS.glob("test_*.py")
               if re.search(r"\b(launch_vllm|launch_command)\(|bench\(tmp_path, \"vllm_host\"", p.read_text())}
