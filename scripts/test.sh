@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 export TOKENIZERS_PARALLELISM=false VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1
 .venv/bin/lint-imports --no-cache || { echo "lint-imports: a layers contract is broken (see docs/ARCHITECTURE.md)"; exit 1; }
 xdist=()
-rest=()  # xdist options for the first process of the two-process layout
+rest=()  # xdist options for the first of the three runs (below), on a machine that runs vLLM apart
 case " $* " in
   *" -n "*|*" -n="*|*" --numprocesses"*|*"no:xdist"*) ;;
   *)
@@ -43,15 +43,20 @@ case " $* " in
     [ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist loadgroup --max-worker-restart 0)
     ;;
 esac
+final=0
+run() {  # one pytest run; exit code 5 (nothing collected, e.g. under -m) counts as success; the first failure wins
+  "$@"
+  local r=$?
+  if [ "$r" -eq 5 ]; then echo "pytest collected no tests (exit 5): treated as success"; r=0; fi
+  [ "$final" -eq 0 ] && final=$r
+}
 explicit=0  # test paths named on the command line: run just what was asked, in one run
 for a in "$@"; do case "$a" in tests*|*.py|*::*) explicit=1 ;; esac; done
 if [ "$explicit" -eq 1 ]; then
-  .venv/bin/python -m pytest "${xdist[@]}" "$@"
-  rc=$?
-  if [ "$rc" -eq 5 ]; then echo "pytest collected no tests (exit 5): treated as success"; exit 0; fi
-  exit "$rc"
+  run .venv/bin/python -m pytest "${xdist[@]}" "$@"
+  exit "$final"
 fi
-# Runs one after the other; exit code 5 (nothing collected, e.g. under -m) counts as success.
+# Three runs, one after the other:
 # 1. the rest of the suite on the workers;
 # 2. the files that bound a server's wall-clock answers (conftest.ALONE), in one process with nothing beside them:
 #    on 2 cores a second worker delayed their client and server by seconds;
@@ -59,26 +64,15 @@ fi
 #    last, in a process of their own: vLLM does not give an engine's memory back, and one process running the whole
 #    suite reached 20 GB on the 24 GB machine, so the servers test_vllm_serve starts after them could not
 #    (2026-11-26, a fresh clone).
-files() {
-  .venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); import conftest; \
-print(' '.join('tests/' + f for f in sorted(conftest.$1)))"
-}
-alone_files=$(files ALONE)
-vllm_files=""
-opts=("${xdist[@]}")
-if [ "${#xdist[@]}" -eq 0 ]; then
-  vllm_files=$(files VLLM_IN_PROCESS)
-  opts=("${rest[@]}")
+{ read -r alone_files; read -r vllm_files; } < <(.venv/bin/python -c "import sys; sys.path.insert(0, 'tests'); \
+import conftest; [print(' '.join('tests/' + f for f in sorted(s))) for s in (conftest.ALONE, conftest.VLLM_IN_PROCESS)]")
+opts=("${rest[@]}")
+if [ "${#xdist[@]}" -gt 0 ]; then  # vLLM's engines fit beside the other workers: only the ALONE files run apart
+  vllm_files=""
+  opts=("${xdist[@]}")
 fi
 ignore=()
 for f in $alone_files $vllm_files; do ignore+=("--ignore=$f"); done
-final=0
-run() {
-  "$@"
-  local r=$?
-  [ "$r" -eq 5 ] && r=0
-  [ "$final" -eq 0 ] && final=$r
-}
 run .venv/bin/python -m pytest "${opts[@]}" "$@" "${ignore[@]}"
 # shellcheck disable=SC2086
 run .venv/bin/python -m pytest "$@" $alone_files

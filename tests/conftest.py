@@ -114,9 +114,9 @@ VLLM_IN_PROCESS = {"test_models_hosts.py", "test_real_model.py", "test_vllm_adap
                    "test_vllm_draft_model.py", "test_vllm_proposer.py", "test_vllm_ranks.py"}
 VLLM_IN_PROCESS_GROUP = "vllm-in-process"
 # The files that start vLLM servers or `bench vllm_host` as child processes (3-5 GB each while they run): one work
-# unit too, so two workers never hold two vLLM servers at once beside the mlx and llama.cpp files on the other.
-VLLM_SERVERS = {"test_bench_suite.py", "test_concurrency.py", "test_hostile.py", "test_hostile_vllm.py",
-                "test_vllm_serve.py"}
+# unit too, so two workers never hold two vLLM servers at once beside the mlx and llama.cpp files on the other
+# (the ALONE files below that start them run on no worker).
+VLLM_SERVERS = {"test_bench_suite.py", "test_concurrency.py", "test_vllm_serve.py"}
 VLLM_SERVERS_GROUP = "vllm-servers"
 # The files that bound a server's wall-clock answers (a refusal within 2 s, every answer within the deadline + 1 s,
 # `/health` within 1 s): scripts/test.sh runs them in a process of their own with nothing else running, because
