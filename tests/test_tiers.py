@@ -72,6 +72,6 @@ def test_a_files_tests_run_on_one_xdist_worker():
     workers = set(re.findall(r"\[(gw\d+)\] \[\s*\d+%\] PASSED", p.stdout))
     assert len(re.findall(r"PASSED", p.stdout)) >= 3 and len(workers) == 1, p.stdout[-2000:]
     assert {conftest.work_unit("tests/test_vllm_adapter.py::t"),
-            conftest.work_unit("tests/test_real_model.py::t[x]")} == {conftest.VLLM_IN_PROCESS_GROUP}
+            conftest.work_unit("tests/test_real_model_vllm.py::t[x]")} == {conftest.VLLM_IN_PROCESS_GROUP}
     assert {conftest.work_unit("tests/test_concurrency.py::t[draft]"),
             conftest.work_unit("tests/test_vllm_serve.py::t")} == {conftest.VLLM_SERVERS_GROUP}
