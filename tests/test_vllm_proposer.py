@@ -367,8 +367,8 @@ def test_requests_of_one_constraint_share_its_spec_and_compiled_constraint(engin
     import specgrammar_vllm.proposer as P
 
     calls = []
-    real = P.compile_constraint
-    monkeypatch.setattr(P, "compile_constraint", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = P.compile_as_enforced
+    monkeypatch.setattr(P, "compile_as_enforced", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     prop = engines.proposer
     spec = ConstraintSpec.regex("(ab|cd){2,5}-[0-9]{3}")
     params = sampling_params(spec, temperature=0.0, max_tokens=24)

@@ -51,12 +51,12 @@ import numpy as np
 
 from specgrammar_plugins.api import BATCH_COUNTERS as COUNTERS
 from specgrammar_plugins.api import (BudgetError, ConstraintError, HistoryMatcher, RequestState, RequestTable,
-                                     SamplingParams, SpecOptions, check_budget, compile_constraint, fill,
+                                     SamplingParams, SpecOptions, check_budget, fill,
                                      make_drafter, resolve_pack_name)
 
 from .draws import RequestDraws
 from .startup import check_recipe_pack
-from .structured import ENGINES, engine_options, params_key, spec_from_params
+from .structured import ENGINES, compile_as_enforced, engine_options, params_key, spec_from_params
 
 log = logging.getLogger("vllm.specgrammar")
 
@@ -184,24 +184,16 @@ class GrammarStates(RequestTable):
         return RequestState(HistoryMatcher(compiled), drafter, prompt_len, tok.stop_token_ids, draws=draws)
 
     def _compiled(self, spec, key, tok, engine: str, stop_ids: tuple[int, ...], eos):
-        """The request's constraint as vLLM's backend enforces it, kept by its params (``memo``).  Our strict mode
-        refuses a JSON Schema keyword the engine does not enforce (``pattern``, some ``format``s); vLLM's own
-        xgrammar backend (vLLM 0.32) accepted the request and ignores that keyword, so the drafts follow the schema
-        without it: compiled again with ``strict`` off, the engine ignoring what vLLM's ignores.  (Before, such a
-        request got no drafts at all: 3 of the 7 dev-split schemas vLLM answered in ``bench real``, issue 32.)  Our
-        launcher refuses these schemas up front (``serve.py``); this is for every other way into the engine."""
+        """The request's constraint as vLLM's backend enforces it (``structured.compile_as_enforced``: a JSON Schema
+        keyword our strict mode refuses and vLLM's xgrammar ignores is ignored here too), kept by its params
+        (``memo``).  (Before, such a request got no drafts at all: 3 of the 7 dev-split schemas vLLM answered in
+        ``bench real``, issue 32.)"""
         def compile_():
-            try:
-                return compile_constraint(spec, tok, engine=engine, **self.engine_options)
-            except ConstraintError as e:  # (the strict refusal's own words, schema.refusal; other errors stand)
-                if (spec.kind != "json_schema" or spec.option("strict", True) is False
-                        or "strict=false" not in e.reason):
-                    raise
-                options = (*((k_, v) for k_, v in spec.options if k_ != "strict"), ("strict", False))
-                compiled = compile_constraint(replace(spec, options=options), tok, engine=engine, **self.engine_options)
+            compiled, lenient = compile_as_enforced(spec, tok, engine, self.engine_options)
+            if lenient:
                 self.counters["lenient_compiles"] = self.counters.get("lenient_compiles", 0) + 1
-                log.info("specgrammar: drafting under the schema as vLLM's backend enforces it (%s)", e.reason)
-                return compiled
+                log.info("specgrammar: drafting under the schema as vLLM's backend enforces it")
+            return compiled
 
         return self.memo(("compiled", key, engine, stop_ids, eos) if key else None, compile_)
 

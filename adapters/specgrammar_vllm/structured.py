@@ -69,6 +69,27 @@ def engine_options(vllm_config) -> tuple[str, dict]:
     return engine, options
 
 
+def compile_as_enforced(spec: ConstraintSpec, tok, engine: str, options: dict):
+    """(compiled, lenient): ``spec`` compiled by our engine as vLLM's backend enforces it.  Our strict mode refuses
+    a JSON Schema keyword the engine does not enforce (``pattern``, some ``format``s); vLLM 0.32's own xgrammar
+    backend accepts such a request and ignores that keyword, so the request is compiled again with ``strict`` off
+    (``lenient`` True), the engine ignoring what vLLM's ignores.  The drafts (``proposer``) and the budget mask
+    (``budget_mask.build``) then follow the language vLLM's bitmask really enforces.  Our launcher refuses these
+    schemas up front (``serve.py``); this is for every other way into the engine (``vllm.LLM``, vLLM's own server).
+    Other errors stand."""
+    from dataclasses import replace
+
+    from specgrammar_plugins.api import ConstraintError, compile_constraint
+
+    try:
+        return compile_constraint(spec, tok, engine=engine, **options), False
+    except ConstraintError as e:  # (the strict refusal's own words, schema.refusal)
+        if spec.kind != "json_schema" or spec.option("strict", True) is False or "strict=false" not in e.reason:
+            raise
+        lenient = (*((k, v) for k, v in spec.options if k != "strict"), ("strict", False))
+        return compile_constraint(replace(spec, options=lenient), tok, engine=engine, **options), True
+
+
 def params_from_spec(spec: ConstraintSpec | None) -> dict | None:
     """Keyword arguments of ``StructuredOutputsParams`` for one of our constraints (tests, benchmarks, clients)."""
     if spec is None:
