@@ -239,3 +239,23 @@ def test_a_prefix_left_without_a_certificate_is_counted(tok):
         assert m.accept(t)
         out.append(t)
     assert budget.lost_midway, tok.decode(out)
+
+
+def test_the_longest_match_per_first_byte_spells_as_the_longest_token_of_all(tok):
+    """``GreedyBytes`` looks for the longest match from the longest token that starts with the byte, not the longest
+    of the vocabulary: the same spelling."""
+    from specgrammar_plugins.engines._common import GreedyBytes
+
+    g = GreedyBytes(tok)
+
+    def naive(data):
+        out, i = [], 0
+        while i < len(data):
+            k = next(k for k in range(min(g.max_len, len(data) - i), 0, -1) if data[i:i + k] in g.table)
+            out.append(g.table[data[i:i + k]])
+            i += k
+        return out
+
+    for text in [b'{"name": "x", "list": [{"a": 1}]}', b'   \n\t  {"results":   [ {"', b"Hello, world! 12345",
+                 json.dumps(CONCERT).encode(), bytes(range(32, 127))]:
+        assert g(text) == naive(text)

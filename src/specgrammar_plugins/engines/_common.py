@@ -233,14 +233,19 @@ class GreedyBytes:
                 table.setdefault(b, i)
         self.table = table
         self.max_len = max((len(b) for b in table), default=1)
+        # the longest token per first byte (81 bytes at SmolLM2's vocabulary, a `{` spells at most 4): the longest
+        # match is looked for from there, not from the longest token of all
+        self.max_at = [0] * 256
+        for b in table:
+            self.max_at[b[0]] = max(self.max_at[b[0]], len(b))
 
     def __call__(self, data: bytes) -> list[int] | None:
         """Token ids spelling ``data``, or None when some byte has no token."""
         out: list[int] = []
         i, n = 0, len(data)
-        get = self.table.get
+        get, max_at = self.table.get, self.max_at
         while i < n:
-            for k in range(min(self.max_len, n - i), 0, -1):
+            for k in range(min(max_at[data[i]], n - i), 0, -1):
                 t = get(data[i:i + k])
                 if t is not None:
                     out.append(t)
