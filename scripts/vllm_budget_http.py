@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 
@@ -63,14 +64,16 @@ def main(argv=None) -> int:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     cmd = [sys.executable, "-m", "specgrammar_vllm.serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "2048", "--grammar-spec", "4", "--grammar-draft", draft]
-    log = open("vllm_budget_http.log", "w")
+    log_path = Path("bench-out") / "vllm_budget_http.log"  # (bench-out/ is ignored by git, as every benchmark's)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "w")
     srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         t0 = time.monotonic()
         while True:
             if srv.poll() is not None:
-                print(f"the launcher exited ({srv.returncode}); see vllm_budget_http.log", file=sys.stderr)
+                print(f"the launcher exited ({srv.returncode}); see {log_path}", file=sys.stderr)
                 return 1
             try:
                 with urllib.request.urlopen(base + "/health", timeout=5) as r:
