@@ -241,6 +241,77 @@ def test_a_prefix_left_without_a_certificate_is_counted(tok):
     assert budget.lost_midway, tok.decode(out)
 
 
+def test_only_a_brace_or_bracket_outside_a_string_opens():
+    """The far zone's ``open`` check looks at tokens that open an object or an array: a ``{`` or ``[`` in a key's or
+    a value's content opens nothing (it made ``open`` certify every key-content group far from the limit: 16-38% of
+    SmolLM2's target step), one after a string's closing quote does; a key's content is part of a token's structure
+    (``{"name`` and ``{"id`` commit to different keys: certified apart)."""
+    from specgrammar_plugins.budget import _opens
+
+    assert not _opens(b'={"', True, True, "{")[2]  # key content, then the key's closing quote
+    assert not _opens(b'[{', True, False, "[")[2]  # a value string's content
+    assert _opens(b'":{', True, True, "{")[2] and _opens(b'"}, {', True, False, "[")[2]
+    assert _opens(b' {"', False, False, "[")[2] and _opens(b"[", False, False, "{")[2]
+    assert _opens(b",", False, False, "[")[2] and _opens(b"},", False, False, "[")[2]  # an array's next item
+    assert not _opens(b",", False, False, "{")[2] and not _opens(b"]", False, False, "[")[2]
+    assert not _opens(b"", False, False, "[")[2]
+    assert _opens(b'{"name', False, False, "[")[1] != _opens(b'{"id', False, False, "[")[1]
+
+
+PROPS = {**{k: {"type": "integer"} for k in "acdefg"}, "b": {"type": "array", "items": {"type": "integer"}}}
+ITEMS = {"type": "object", "properties": {"name": {"type": "string"}, "list": {"type": "array", "items": {
+    "type": "object", "properties": PROPS, "required": list(PROPS), "additionalProperties": False}}},
+    "required": ["name", "list"], "additionalProperties": False}
+
+
+def test_far_rows_are_a_function_of_the_prefix_whatever_was_asked_before(tok, monkeypatch):
+    """The far zone's shortcuts (a walk that closes what a token opened and rejoins the parent's certificate, the
+    lexical scan carried from the last row) change no row: along a path that opens items far from the limit, up to
+    the comma that would start a third item, cut there (a comma in an array is checked as an opener: the item needs
+    36 tokens, 30 are left, the certificate's slack is 27), each row equals the row of a budget that saw no other
+    prefix, and the row with the walk alone (no rejoin); and the rejoin is taken."""
+    from specgrammar_plugins import budget as B
+
+    c = _compile(tok, ITEMS)
+    words = mask_words(tok.vocab_size)
+    item = '{"a":%d,"c":1,"d":2,"e":3,"f":4,"g":5,"b":[%d]}'
+    head = tok.encode('{"name":"x","list":[' + item % (1, 1) + ", " + item % (2, 2))
+    path = head + tok.encode("," + item % (3, 3) + "]}")
+    m = c.matcher()
+    assert all(m.accept(t) for t in path)
+    budget = len(head) + 30
+    rejoins = []
+    after = B._after_value
+    monkeypatch.setattr(B, "_after_value", lambda *a: rejoins.append(1) or after(*a))
+
+    def rows(b, n):
+        m = c.matcher()
+        assert all(m.accept(t) for t in path[:n])
+        row = _row(m, words)
+        b.mask_row(row, path[:n], 16, far="open")
+        return row
+
+    along = check_budget(c, SpecOptions(), budget)
+    seen, carried = [], 0
+    for n in range(len(head) + 1):
+        seen.append(rows(along, n))
+        ids, scan = along._ahead  # the lexical scan carried from row to row: the scan of its prefix's text
+        if ids == path[:n]:
+            fresh = along._scan_of(path[:n])
+            assert (scan.stack, scan.in_str, scan.esc, scan.key_buf, bytes(scan.str_buf)) == \
+                (fresh.stack, fresh.in_str, fresh.esc, fresh.key_buf, bytes(fresh.str_buf)), tok.decode(path[:n])
+            carried += 1
+    assert carried > 10
+    assert all(mask_allows(seen[n], path[n]) for n in range(len(head)))
+    assert not mask_allows(seen[-1], path[len(head)]) and tok.token_bytes[path[len(head)]] == b","
+    assert budget - len(head) - len(along._sync(head)) >= 16 and rejoins
+    for n in [*range(0, len(head), 5), len(head)]:
+        assert np.array_equal(rows(check_budget(c, SpecOptions(), budget), n), seen[n]), tok.decode(path[:n])
+    monkeypatch.setattr(B, "_after_value", lambda *a: None)  # the walk alone
+    alone = check_budget(c, SpecOptions(), budget)
+    assert all(np.array_equal(rows(alone, n), seen[n]) for n in range(len(head) + 1))
+
+
 def test_the_longest_match_per_first_byte_spells_as_the_longest_token_of_all(tok):
     """``GreedyBytes`` looks for the longest match from the longest token that starts with the byte, not the longest
     of the vocabulary: the same spelling."""

@@ -108,7 +108,7 @@ class Budget:
                 return t
 
     def mask_row(self, row: np.ndarray, generated: Sequence[int], margin: int = 0, whole: bool = True,
-                 far: str = "off") -> bool:
+                 far: str = "open") -> bool:
         """For hosts that can only mask the target's row (vLLM's structured-output bitmask), never re-draw: cut
         ``row`` in place to tokens that keep a completion within the budget; whether it removed one.  Exact: the
         same cut as ``restrict``.  Certified: see ``CertifiedBudget.mask_row``.  ``whole``: ``row`` is the
@@ -345,9 +345,9 @@ class _WalkVocab:
             for ctx in _CONTEXTS:
                 seen: dict[bytes, int] = {}
                 lexed = [_opens(b, *ctx) for b in self.token_bytes]
-                jumps[(*ctx, "all")] = np.array([j for j, _ in lexed], dtype=bool)
-                jumps[(*ctx, "open")] = np.array([j and (b"{" in g or b"[" in g) for j, g in lexed], dtype=bool)
-                groups[ctx] = np.array([seen.setdefault(g, len(seen)) for _, g in lexed], dtype=np.int64)
+                jumps[(*ctx, "all")] = np.array([j for j, _, _ in lexed], dtype=bool)
+                jumps[(*ctx, "open")] = np.array([o for _, _, o in lexed], dtype=bool)
+                groups[ctx] = np.array([seen.setdefault(g, len(seen)) for _, g, _ in lexed], dtype=np.int64)
             packed = {k: pack_mask(v) for k, v in jumps.items() if k[3] == "open"}
             self._lexed = (jumps, groups, np.array([len(b) for b in self.token_bytes], dtype=np.int64), packed)
         return self._lexed
@@ -358,18 +358,20 @@ _CONTEXTS = [(True, False, "{"), (True, False, "["), (True, True, "{"), (False, 
              (False, True, "{")]
 
 
-def _opens(tb: bytes, in_str: bool, key: bool, kind: str) -> tuple[bool, bytes]:
+def _opens(tb: bytes, in_str: bool, key: bool, kind: str) -> tuple[bool, bytes, bool]:
     """(whether a token spelling ``tb`` in that context can raise the shortest completion by more than the token it
-    costs, its structure): it opens something (``{``, ``[``, a value after ``:``, an array's next item after
-    ``,``), commits a key (its content or its closing quote), or is an empty / control token.  Whitespace between
-    values, a value string's quotes and content, numbers and literals, and closers (``}``, ``]``: they only end
-    what is open) keep the parent's certificate's remainder, or end it sooner (a value string's ``pattern`` aside).
+    costs, its structure, whether it opens an object or an array or starts an array's next item: a ``{`` or ``[``
+    outside a string, not one in a key's or a value's content, or a ``,`` in an array): it opens something
+    (``{``, ``[``, a value after ``:``, an array's next item after ``,``), commits a key (its content or its
+    closing quote), or is an empty / control token.  Whitespace between values, a value string's quotes and
+    content, numbers and literals, and closers (``}``, ``]``: they only end what is open) keep the parent's
+    certificate's remainder, or end it sooner (a value string's ``pattern`` aside).
     The structure: the token's bytes less whitespace and value-string content, and whether it ends in a string
     (tokens of one structure make the same jump).  ``key`` outside a string: an object key is expected."""
     if not tb:
-        return True, b"\x00empty"
+        return True, b"\x00empty", False
     stack, esc, expect_key = [kind], False, key and not in_str
-    jump, shape = False, bytearray()
+    jump, shape, opens = False, bytearray(), False
     for b in tb:
         if in_str:
             if esc:
@@ -394,13 +396,38 @@ def _opens(tb: bytes, in_str: bool, key: bool, kind: str) -> tuple[bool, bytes]:
             in_str, key, expect_key = True, expect_key, False
         elif b in b"{[:":
             jump = True
+            if b != 0x3A:
+                opens = True
+                stack.append(chr(b))
+                expect_key = b == 0x7B
         elif b == 0x2C:
             if stack[-1] != "{":
-                jump = True  # an array's next item (or a container not known: after a closer)
+                jump = opens = True  # an array's next item (or a container not known: after a closer)
             expect_key = stack[-1] == "{"
         elif b in b"}]":
             stack = stack[:-1] or ["?"]
-    return jump, bytes(shape) + (b"\x00in" if in_str else b"")
+    return jump, bytes(shape) + (b"\x00in" if in_str else b""), opens
+
+
+def _after_value(text: bytes, depth: int, at: _Scan) -> bytes | None:
+    """What is left of a completion ``text`` (from a position whose scan is ``at``, ``depth`` containers open) after
+    the value it writes there: from its first ``,``, ``}`` or ``]`` at that depth outside a string (the whole text
+    when it closes at once; empty when it ends the document there); None when it leaves that depth otherwise."""
+    d, in_s, esc = depth, at.in_str, at.esc
+    for i, b in enumerate(text):
+        if in_s:  # (a string's byte: escaped, a backslash, its closing quote, or content)
+            in_s, esc = esc or b != 0x22, not esc and b == 0x5C
+        elif b == 0x22:
+            in_s = True
+        elif b in b"{[":
+            d += 1
+        elif b in b"}]":
+            if d == depth:
+                return text[i:]
+            d -= 1
+        elif b == 0x2C and d == depth:
+            return text[i:]
+    return b"" if d == depth and not in_s and depth == 0 else None
 
 
 def _ids(ids: list[int]) -> np.ndarray:
@@ -435,11 +462,13 @@ class CertifiedBudget(Budget):
         self.lost_midway = False  # a committed prefix with no certificate within the budget (mask_row: counted)
         self._far: dict = {}  # prefix -> the far zone's row of the tokens that fit (None: all), the last 64
         self._reps: dict = {}  # (prefix, token) -> its certificate's length (``_rep_len``)
+        self._ahead: tuple = ([], _Scan())  # the last row's prefix beyond the path, and its scan (``_opener_in``)
         # xgrammar 0.2.8 accepts tokens its own mask leaves out (after `"Cla` in an enum's "Classical", `ssi`:
         # accept_token says yes, fill_next_token_bitmask has only `s`): a host samples from the mask, so a
         # certificate must be a way the masks allow (``_MaskChecked``), or the certificate's own next token is not
         # in the row, the tight zone's cut empties it, and vLLM samples token 0 and fails the request
         self.mask_checked = compiled.engine == "xgrammar"
+        self.json = compiled.spec.kind in ("json_schema", "json")  # (its text is read as JSON: ``_Scan``)
         self._row = np.zeros(mask_words(tok.vocab_size), dtype=np.int32)
         self._probe = np.zeros(mask_words(tok.vocab_size), dtype=np.int32)
         schema = compiled.spec.schema if compiled.spec.kind == "json_schema" else None
@@ -526,11 +555,15 @@ class CertifiedBudget(Budget):
     def _text(self, cert: Sequence[int]) -> bytes:
         return self.tok.decode([t for t in cert if t not in self.stops])
 
-    def _walk(self, m, scan: _Scan, steps: int, limit: int, deadline=None) -> tuple | None:
+    def _walk(self, m, scan: _Scan, steps: int, limit: int, deadline=None, rejoin=None) -> tuple | None:
         """A completion from ``m``'s state by a greedy walk on the engine's masks (at most ``steps`` tokens),
         re-spelled with longer tokens; returned if it fits in ``limit`` tokens (certified), else None.  A forced
         string is asked for at most the bytes the steps left can spell (never an uncapped jump-forward); the walk
-        answers to ``deadline`` (the request's, for the start's certificate)."""
+        answers to ``deadline`` (the request's, for the start's certificate).  ``rejoin``: (a depth, the parent
+        certificate's text after its value there, computed on demand): where the walk, having written something, is
+        first at that depth again outside a string (what the token opened is closed, or the item it started is
+        written), the walk so far followed by that text is certified and returned if it fits (``_next``: the
+        parent's rest is not walked again), else the walk goes on."""
         self.walks += 1
         f = m.fork()
         scan = scan.copy()
@@ -549,6 +582,14 @@ class CertifiedBudget(Budget):
                 if best is None and len(out) + 1 <= limit:
                     best = tuple(out) + (self.stop,)
                 return best
+            if rejoin is not None and out and len(scan.stack) <= rejoin[0]:
+                if len(scan.stack) == rejoin[0] and not scan.in_str:
+                    rest = rejoin[1]()
+                    if rest is not None:
+                        c = self._spelled(self.tok.decode(out) + rest, limit, m)
+                        if c is not None:
+                            return c
+                rejoin = None  # (tried once)
             jf = _jump(f, (steps - len(out)) * self.max_bytes)
             took = 0
             if jf:
@@ -648,19 +689,31 @@ class CertifiedBudget(Budget):
         if limit < 1 or not self.hm.sync([*h, t]):
             return None
         m = self._checked(self.hm.matcher)
+        at = self._scans[len(h)] if len(self._scans) > len(h) else self._scan_of([*h])
+        scan = at.copy()
+        scan.feed(self.tok.token_bytes[t])
+        d = len(at.stack)
         if parent:
             text, tb = self._text(parent), self.tok.token_bytes[t]
             if tb and text.startswith(tb):  # the token spells a prefix of the certificate's text
                 c = self._spelled(text[len(tb):], limit, m)
                 if c is not None:
                     return c
-            if len(parent) <= limit and self._certify(m, parent):  # the same completion still ends it
+            # the same completion still ends it (not after a JSON token that opened something and left the string
+            # state as it was: the parent's text closes one container too few then)
+            if len(parent) <= limit and not (self.json and len(scan.stack) > d and scan.in_str == at.in_str
+                                             and scan.esc == at.esc) and self._certify(m, parent):
                 return parent
             if len(parent) > limit:  # no slack: only the certificate's own way fits (never a longer walk)
                 return None
-        scan = self._scans[len(h)].copy() if len(self._scans) > len(h) else self._scan_of([*h])
-        scan.feed(self.tok.token_bytes[t])
-        return self._walk(m, scan, 2 * limit + 8, limit)
+        rejoin = None
+        if parent and (len(scan.stack) > d or (len(scan.stack) == d and d and scan.stack[-1][0] == "["
+                                               and not scan.in_str
+                                               and self.tok.token_bytes[t].rstrip(_WHITESPACE).endswith(b","))):
+            # the token opened something (the walk closes it), or started an array's next item (the walk writes
+            # it), then the parent's rest
+            rejoin = (d, lambda: _after_value(self._text(parent), d, at))
+        return self._walk(m, scan, 2 * limit + 8, limit, rejoin=rejoin)
 
     def _scan_of(self, ids: Sequence[int]) -> _Scan:
         s = _Scan()
@@ -711,7 +764,7 @@ class CertifiedBudget(Budget):
     SMALL = 64  # a string row of at most this many tokens (an enum's, a strict pattern's) is checked whole
 
     def mask_row(self, row: np.ndarray, generated: Sequence[int], margin: int = 16, whole: bool = True,
-                 far: str = "off") -> bool:
+                 far: str = "open") -> bool:
         """The certified bound as a mask row (a deterministic function of the prefix, so plain and speculative
         decoding see the same row), for hosts that cannot re-draw (vLLM).  A token stays if its certificate fits
         in the tokens left.  Which tokens are checked:
@@ -730,12 +783,15 @@ class CertifiedBudget(Budget):
           further; a prefix left without a certificate is counted (``lost_midway``).
 
         ``far`` (what the far zone checks): ``"all"`` every such token, as above (sound but up to ~0.5 ms a row
-        at 151,665 tokens: a certificate walk per structure group); ``"open"`` only the groups that open an
-        object or an array (``{``, ``[``: issue 35's two cut-offs), skipped on rows that allow none; ``"off"``
-        (default) none: the margin's premise, no token jumps ``margin`` or more (the far zone's prefixes are then
-        not even certified; a lost one is counted later, nearer the limit).  ``open`` made the budget mask
-        18-44% of vLLM's target step on SmolLM2-135M (``off``: 2-4%; issue 35's target <= 10%), hence not the
-        default.
+        at 151,665 tokens: a certificate walk per structure group); ``"open"`` (default) only the groups that
+        open an object or an array or start an array's next item (a ``{`` or ``[`` outside a string, a ``,`` in an
+        array: issue 35's two cut-offs, and an item too long for the room after a comma), skipped on rows that
+        allow none; the certificate of a token that opens something is the walk that closes it followed by the
+        rest of the parent's (``_walk``'s ``rejoin``), else the whole walk.  ``"off"`` none: the margin's
+        premise, no token jumps ``margin`` or more (the far zone's prefixes are then not even certified; a lost
+        one is counted later, nearer the limit).  ``open`` costs 5-11% of vLLM's target step on SmolLM2-135M, 5-7%
+        of the step (issue 35's target <= 10%; 16-38% of the target step while a ``{`` in a key's content counted
+        as an opener and an opener's certificate walked the whole rest of the document).
         """
         if self.lost:
             return False
@@ -748,10 +804,10 @@ class CertifiedBudget(Budget):
                 known = self._certs[lim] if path[:lim] == list(generated[:lim]) else None
                 if known is not None and r - (len(known) + (len(generated) - lim) * max(margin - 1, 0)) >= margin \
                         and (far == "off" or not self._opener_in(row, generated, lim)):
-                    # far from the budget and nothing that opens an object or an array in the row: with no other
-                    # token raising the certificate by ``margin`` or more (the premise) the slack is still at
-                    # least ``margin`` here; the certificates of the tokens since (drafts, mostly) are not worked
-                    # out
+                    # far from the budget and nothing in the row that opens an object or an array or starts an
+                    # array's next item: with no other token raising the certificate by ``margin`` or more (the
+                    # premise) the slack is still at least ``margin`` here; the certificates of the tokens since
+                    # (drafts, mostly) are not worked out
                     return False
             parent = self._sync(generated)
             if parent is None:
@@ -802,12 +858,22 @@ class CertifiedBudget(Budget):
         return n
 
     def _opener_in(self, row: np.ndarray, generated: Sequence[int], lim: int) -> bool:
-        """Whether ``row`` allows a token that opens an object or an array after ``generated`` (whose first ``lim``
-        tokens are on the committed path): the lexical state from the path's, the tokens since fed."""
-        scan = self._scans[lim] if lim < len(self._scans) else self._scan_of(generated[:lim])
+        """Whether ``row`` allows a token that opens an object or an array or starts an array's next item after
+        ``generated`` (whose first ``lim`` tokens are on the committed path): the lexical state from the path's, or
+        the last row's, the tokens since fed."""
         if lim < len(generated):
-            scan = scan.copy()
-            scan.feed(self.tok.decode(list(generated[lim:])))
+            # the tokens since the path's end (drafts, and far from the limit the committed tokens the path is not
+            # synced to): fed from the last row's scan where this row extends it (one token a row, not all since)
+            ids, last = self._ahead  # (the scan of ``ids``' text)
+            if lim <= len(ids) <= len(generated) and list(generated[:len(ids)]) == ids:
+                scan, start = last.copy(), len(ids)
+            else:
+                scan = self._scans[lim] if lim < len(self._scans) else self._scan_of(generated[:lim])
+                scan, start = scan.copy(), lim
+            scan.feed(self.tok.decode(list(generated[start:])))
+            self._ahead = (list(generated), scan)
+        else:
+            scan = self._scans[lim] if lim < len(self._scans) else self._scan_of(generated[:lim])
         packed = self._vocab.lexed()[3]
         kind = scan.stack[-1][0] if scan.stack else "["
         if scan.esc or kind not in "{[":
