@@ -305,10 +305,11 @@ def _for_spec(spec: ConstraintSpec, hit: CompiledConstraint) -> CompiledConstrai
 def _rewritten_schema(spec: ConstraintSpec, engine: str) -> tuple[ConstraintSpec, tuple]:
     """The JSON Schema spec an engine compiles: exact rewrites applied (unless ``rewrite=False``), then, in strict
     mode, every keyword checked against what ``engine`` enforces (pointers as in the schema given)."""
-    from .schema import ENFORCED, LIST_REQUIRED, require_supported
+    from .schema import ENFORCED, LIST_REQUIRED, NO_FALSE_PROPERTIES, require_supported
     from .schema_rewrite import Rewritten, rewrite
 
-    rw = (rewrite(spec.schema, ENFORCED.get(engine, frozenset()), engine in LIST_REQUIRED)
+    rw = (rewrite(spec.schema, ENFORCED.get(engine, frozenset()), engine in LIST_REQUIRED,
+                  false_properties=engine not in NO_FALSE_PROPERTIES)
           if spec.option("rewrite", True) else Rewritten(spec.schema))
     if spec.option("strict", True) and engine in ENFORCED:
         require_supported(rw.schema, engine, rw.origins)

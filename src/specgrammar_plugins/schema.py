@@ -123,8 +123,9 @@ _NEEDS_TYPE = {"xgrammar": frozenset({"minItems", "maxItems", "items", "prefixIt
                                       "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
                                       "exclusiveMaximum", "required", "properties", "additionalProperties"})}
 _NO_ID_REFS = frozenset({"xgrammar"})
-# outlines-core 0.2.14 reads {"properties": {"a": false}} ("a" must be absent) as no constraint: {"a": true} passes
-_NO_FALSE_PROPERTIES = frozenset({"outlines_core"})
+# outlines-core 0.2.14 reads {"properties": {"a": false}} ("a" must be absent) as no constraint: {"a": true} passes;
+# xgrammar 0.2.8 refuses to compile it ("Schema 'false' cannot accept any value"), in any context
+NO_FALSE_PROPERTIES = frozenset({"outlines_core", "xgrammar"})
 # xgrammar 0.2.8 and outlines-core 0.2.14 ignore a required key that ``properties`` does not list: {"required":
 # ["foo"]} takes {} (JSON-Schema-Test-Suite draft2020-12 items.json "items and subitems"); schema_rewrite lists such
 # keys where that is exact (``rewrite(..., list_required=True)``, for LIST_REQUIRED), what is left is refused
@@ -179,7 +180,7 @@ def check_schema(schema: Any, engine: str, origins: dict[int, str] | None = None
         if kw == "minProperties" and _extra_keys_repeat(owner, val):
             rep.unsupported.append(("minProperties (counting keys that may repeat)", ptr))
             continue
-        if kw == "properties" and engine in _NO_FALSE_PROPERTIES and isinstance(val, dict) and False in val.values():
+        if kw == "properties" and engine in NO_FALSE_PROPERTIES and isinstance(val, dict) and False in val.values():
             rep.unsupported.append(("properties (a property that must be absent: false)", ptr))
             continue
         if kw in _BOUNDS and engine in _DOUBLE_BOUNDS and _past_doubles(val):

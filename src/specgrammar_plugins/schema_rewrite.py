@@ -287,9 +287,11 @@ _STEPS: tuple[tuple[str, frozenset[str]], ...] = tuple((name, frozenset(kws)) fo
 
 
 class _Rewriter:
-    def __init__(self, root: Any, native: frozenset[str] = frozenset(), list_required: bool = False):
+    def __init__(self, root: Any, native: frozenset[str] = frozenset(), list_required: bool = False,
+                 false_properties: bool = True):
         self.root = root
         self.list_required = list_required
+        self.false_properties = false_properties
         self.rewrites: dict[tuple[str, str], Rewrite] = {}
         self.origins: dict[int, str] = {}
         sch = root.get("$schema")
@@ -497,6 +499,8 @@ class _Rewriter:
 
     # ------------------------------------------------------------------ dependencies as anyOf
     def _dependent(self, s: dict, ptr: str) -> Any:
+        if not self.false_properties:  # ("the key is absent" is {"properties": {key: false}}: see rewrite())
+            return s
         conds = []
         for kw in ("dependentRequired", "dependentSchemas"):
             deps = s.get(kw)
@@ -613,6 +617,8 @@ class _Rewriter:
         if k == "required" and isinstance(v, list):
             if not v:
                 return False
+            if not self.false_properties:
+                return None
             absent = [{"properties": {key: False}} for key in dict.fromkeys(v)]
             return {"type": "object", **(absent[0] if len(absent) == 1 else {"anyOf": absent})}
         if k in ("const", "enum"):
@@ -987,16 +993,21 @@ def conjoin(s: dict, extra: Any) -> Any:
     return {**s, "allOf": [*s.get("allOf", []), extra]}
 
 
-def rewrite(schema: Any, native: frozenset[str] = frozenset(), list_required: bool = False) -> Rewritten:
+def rewrite(schema: Any, native: frozenset[str] = frozenset(), list_required: bool = False,
+            false_properties: bool = True) -> Rewritten:
     """``schema`` with every exact rewrite above applied (a new object; ``schema`` is not changed).
 
     ``native``: keywords the target engine enforces itself, left to it where a rewrite would only make its grammar
     bigger (``minProperties``/``maxProperties``: llguidance counts keys natively, while the ``anyOf`` over which
     properties are present cost it 35x the compile time on MaskBench Github_hard---o62820).  ``list_required``: list
-    required keys in ``properties`` (``_required_listed``: for engines that ignore unlisted ones)."""
+    required keys in ``properties`` (``_required_listed``: for engines that ignore unlisted ones).
+    ``false_properties``: whether the engine takes ``{"properties": {key: false}}`` (the key is absent), the form
+    the ``dependentRequired``/``dependentSchemas`` and ``not required`` rewrites produce; without it they are left
+    as they are (the strict check then names the keyword), where before the engine's own compile failed
+    (xgrammar 0.2.8: "Schema 'false' cannot accept any value", 2 of 100 dev-split schemas in ``bench real``)."""
     if not isinstance(schema, dict):
         return Rewritten(schema)
-    rw = _Rewriter(schema, native, list_required)
+    rw = _Rewriter(schema, native, list_required, false_properties)
     if rw.nested_ids:
         return Rewritten(schema)
     out = rw.node(schema, "")
