@@ -194,6 +194,13 @@ def vllm_one(config: str, reqs: list[dict], temperatures: Sequence[float], *, k:
                     recs.append(None)
                 continue
             dt = time.perf_counter() - t0
+            if res.finish_reason == "error" and not res.token_ids:
+                # vLLM 0.32 answers a request whose grammar its backend failed to compile in the compile thread
+                # (xgrammar 0.2.8's internal check on Github_medium o6213 and o9895) with finish_reason "error" and
+                # no tokens: refused by the host, not an answer cut off
+                if i:
+                    recs.append(None)
+                continue
             if i == 0:
                 continue
             d = metrics_delta(before, spec_metrics(llm))
