@@ -128,7 +128,10 @@ def test_what_the_run_counts_as_refused_at_compile_and_by_the_budget(tok):
     (before the comma fix the walk found no certificate: served without the mask); the report's counts."""
     from specgrammar_plugins.api import ConstraintError
     from specgrammar_plugins.bench.schemas import vllm_rows
-    from specgrammar_plugins.bench.vllm_host import refusal_reason
+    from specgrammar_plugins.bench.vllm_host import _lost, refusal_reason
+
+    # (vLLM 0.32 keys the engine's request by its id and a random suffix: the budget records that one)
+    assert _lost("1074", {"1074-b2538804": None}) and not _lost("107", {"1074-b2538804": None})
 
     with pytest.raises(ConstraintError) as e:
         _compile(tok, {"type": "object", "properties": {"u": {"type": "string", "format": "uri"}}, "required": ["u"]})

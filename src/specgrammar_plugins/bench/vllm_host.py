@@ -394,7 +394,7 @@ def dev_split(items: list[dict], temperatures: Sequence[float] = (0.0,), k: int 
                 _emit(fh, done, dict(g, refused=not ended, refused_at=None if ended else "engine",
                                      reason=None if ended else reason, finish_reason=reason,
                                      tokens=len(c.token_ids), complete=complete, valid=valid, cut=reason == "length",
-                                     lost_midway=o.request_id in BM.LOST,
+                                     lost_midway=_lost(o.request_id, BM.LOST),
                                      prompt_chars=chars, prompt_tokens=len(o.prompt_token_ids or ()),
                                      text=None if complete and valid else c.text))
             bar.update(len(part))
@@ -403,6 +403,13 @@ def dev_split(items: list[dict], temperatures: Sequence[float] = (0.0,), k: int 
         if fh:
             fh.close()
     return [done[(it["name"], t)] for it in items for t in temperatures]
+
+
+def _lost(request_id: str, lost) -> bool:
+    """Whether the engine's request behind ``request_id`` lost its budget certificate mid-way: vLLM 0.32's engine
+    keys a request by its id with a random suffix (``1074`` -> ``1074-b2538804``), which ``budget_mask.LOST``
+    holds."""
+    return request_id in lost or any(k.startswith(request_id + "-") for k in lost)
 
 
 def _emit(fh, done: dict, rec: dict) -> None:
