@@ -21,9 +21,9 @@ to the target's logits before vLLM's sampler and rejection sampler read them.  S
   ``SPECGRAMMAR_VLLM_BUDGET_MARGIN`` tokens of the certificate the certificate's own way among a bounded set of
   candidates; farther, the tokens that can raise the certificate by more than the slack in one step, one
   certificate per structure group: ``SPECGRAMMAR_VLLM_BUDGET_FAR`` = ``open`` (default: the groups that open an
-  object or an array, or start an array's next item; issue 35's two cut-offs at T = 0.7, an array item of ~720
-  tokens opened with ~200 left, are cut at that token; 5-11% of the target step on SmolLM2-135M, 5-7% of the
-  step, was 16-38% of the target step with the former opener check), ``all`` (every structure group: keys,
+  object or an array, or start a container's next item or member: a ``,``; issue 35's two cut-offs at T = 0.7, an
+  array item of ~720 tokens opened with ~200 left, are cut at that token; 7-14% of the target step on
+  SmolLM2-135M, 7-9% of the step, was 16-38% of the target step with the former opener check), ``all`` (every structure group: keys,
   value strings too; ~0.5 ms a row at 151,665 tokens), ``off`` (none: the premise that no token jumps the
   margin, which those two break).  A request
   whose prefix is left without a certificate is counted (``budget_lost_midway``, and per request in ``LOST``),

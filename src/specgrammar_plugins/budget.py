@@ -360,8 +360,8 @@ _CONTEXTS = [(True, False, "{"), (True, False, "["), (True, True, "{"), (False, 
 
 def _opens(tb: bytes, in_str: bool, key: bool, kind: str) -> tuple[bool, bytes, bool]:
     """(whether a token spelling ``tb`` in that context can raise the shortest completion by more than the token it
-    costs, its structure, whether it opens an object or an array or starts an array's next item: a ``{`` or ``[``
-    outside a string, not one in a key's or a value's content, or a ``,`` in an array): it opens something
+    costs, its structure, whether it opens an object or an array or starts a container's next item or member: a
+    ``{`` or ``[`` outside a string, not one in a key's or a value's content, or a ``,``): it opens something
     (``{``, ``[``, a value after ``:``, an array's next item after ``,``), commits a key (its content or its
     closing quote), or is an empty / control token.  Whitespace between values, a value string's quotes and
     content, numbers and literals, and closers (``}``, ``]``: they only end what is open) keep the parent's
@@ -401,8 +401,9 @@ def _opens(tb: bytes, in_str: bool, key: bool, kind: str) -> tuple[bool, bytes, 
                 stack.append(chr(b))
                 expect_key = b == 0x7B
         elif b == 0x2C:
+            opens = True  # the next item or member (an object's: its key, ``:`` and value)
             if stack[-1] != "{":
-                jump = opens = True  # an array's next item (or a container not known: after a closer)
+                jump = True  # an array's next item (or a container not known: after a closer)
             expect_key = stack[-1] == "{"
         elif b in b"}]":
             stack = stack[:-1] or ["?"]
@@ -582,8 +583,9 @@ class CertifiedBudget(Budget):
                 if best is None and len(out) + 1 <= limit:
                     best = tuple(out) + (self.stop,)
                 return best
-            if rejoin is not None and out and len(scan.stack) <= rejoin[0]:
-                if len(scan.stack) == rejoin[0] and not scan.in_str:
+            if rejoin is not None and out and len(scan.stack) <= rejoin[0] and not (
+                    scan.in_str or scan.need_colon or scan.owed_value or scan.expect_key):  # (a value written)
+                if len(scan.stack) == rejoin[0]:
                     rest = rejoin[1]()
                     if rest is not None:
                         c = self._spelled(self.tok.decode(out) + rest, limit, m)
@@ -707,11 +709,10 @@ class CertifiedBudget(Budget):
             if len(parent) > limit:  # no slack: only the certificate's own way fits (never a longer walk)
                 return None
         rejoin = None
-        if parent and (len(scan.stack) > d or (len(scan.stack) == d and d and scan.stack[-1][0] == "["
-                                               and not scan.in_str
+        if parent and (len(scan.stack) > d or (len(scan.stack) == d and d and not scan.in_str
                                                and self.tok.token_bytes[t].rstrip(_WHITESPACE).endswith(b","))):
-            # the token opened something (the walk closes it), or started an array's next item (the walk writes
-            # it), then the parent's rest
+            # the token opened something (the walk closes it), or started a container's next item or member (the
+            # walk writes it), then the parent's rest
             rejoin = (d, lambda: _after_value(self._text(parent), d, at))
         return self._walk(m, scan, 2 * limit + 8, limit, rejoin=rejoin)
 
@@ -784,14 +785,15 @@ class CertifiedBudget(Budget):
 
         ``far`` (what the far zone checks): ``"all"`` every such token, as above (sound but up to ~0.5 ms a row
         at 151,665 tokens: a certificate walk per structure group); ``"open"`` (default) only the groups that
-        open an object or an array or start an array's next item (a ``{`` or ``[`` outside a string, a ``,`` in an
-        array: issue 35's two cut-offs, and an item too long for the room after a comma), skipped on rows that
+        open an object or an array or start a container's next item or member (a ``{`` or ``[`` outside a string,
+        a ``,``: issue 35's two cut-offs, and an item or member too long for the room after a comma), skipped on
+        rows that
         allow none; the certificate of a token that opens something is the walk that closes it followed by the
         rest of the parent's (``_walk``'s ``rejoin``), else the whole walk.  ``"off"`` none: the margin's
         premise, no token jumps ``margin`` or more (the far zone's prefixes are then not even certified; a lost
-        one is counted later, nearer the limit).  ``open`` costs 5-11% of vLLM's target step on SmolLM2-135M, 5-7%
-        of the step (issue 35's target <= 10%; 16-38% of the target step while a ``{`` in a key's content counted
-        as an opener and an opener's certificate walked the whole rest of the document).
+        one is counted later, nearer the limit).  ``open`` costs 7-14% of vLLM's target step on SmolLM2-135M, 7-9%
+        of the whole step (issue 35's target <= 10%; 16-38% of the target step, without commas, while a ``{`` in a
+        key's content counted as an opener and an opener's certificate walked the whole rest of the document).
         """
         if self.lost:
             return False
@@ -804,8 +806,8 @@ class CertifiedBudget(Budget):
                 known = self._certs[lim] if path[:lim] == list(generated[:lim]) else None
                 if known is not None and r - (len(known) + (len(generated) - lim) * max(margin - 1, 0)) >= margin \
                         and (far == "off" or not self._opener_in(row, generated, lim)):
-                    # far from the budget and nothing in the row that opens an object or an array or starts an
-                    # array's next item: with no other token raising the certificate by ``margin`` or more (the
+                    # far from the budget and nothing in the row that opens an object or an array or starts a
+                    # next item or member: with no other token raising the certificate by ``margin`` or more (the
                     # premise) the slack is still at least ``margin`` here; the certificates of the tokens since
                     # (drafts, mostly) are not worked out
                     return False
@@ -858,7 +860,7 @@ class CertifiedBudget(Budget):
         return n
 
     def _opener_in(self, row: np.ndarray, generated: Sequence[int], lim: int) -> bool:
-        """Whether ``row`` allows a token that opens an object or an array or starts an array's next item after
+        """Whether ``row`` allows a token that opens an object or an array or starts a next item or member after
         ``generated`` (whose first ``lim`` tokens are on the committed path): the lexical state from the path's, or
         the last row's, the tokens since fed."""
         if lim < len(generated):
