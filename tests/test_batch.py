@@ -196,3 +196,19 @@ def test_a_finished_request_teaches_the_suffix_index(tiny_tok):
     assert index.observed == 1
     tokens, sources = _batch_drafts(table, "r1", req, prompt + answer[:4])
     assert tokens == answer[4:4 + K] and set(sources) == {"suffix"}
+
+
+def test_the_memo_is_bounded_in_bytes(toy_tok, monkeypatch):
+    """Issue 33: the memo kept the compiled grammars of its last 256 keys however large; now within the compile
+    cache's bound in (engine-reported) bytes, the oldest dropped first."""
+    from types import SimpleNamespace
+
+    from specgrammar_plugins.compiler import CACHE
+
+    monkeypatch.setattr(CACHE, "max_bytes", 100)
+    table = Table(toy_tok)
+    for i in range(5):
+        table.memo(("compiled", i), lambda: SimpleNamespace(memory_bytes=40))
+    assert list(table._memos) == [("compiled", 3), ("compiled", 4)] and table._memo_bytes == 80
+    table.memo(("spec", 0), lambda: "a spec")  # (no memory_bytes: counted as 0)
+    assert len(table._memos) == 3 and table._memo_bytes == 80

@@ -556,6 +556,10 @@ def main(argv: list[str] | None = None) -> int:
     folder = recipes_dir(argv)
     if folder is not None:
         os.environ[RECIPES_ENV] = folder
+    # vLLM 0.32's xgrammar backend caches compiled grammars up to 512 MB (VLLM_XGRAMMAR_CACHE_MB) in the EngineCore,
+    # beside our own bounded caches: 64 MB still holds a 20,000-option choice (44 MB), and the engine's memory
+    # after costly valid requests stays near its baseline (issue 33; an operator's setting wins)
+    os.environ.setdefault("VLLM_XGRAMMAR_CACHE_MB", "64")
     from vllm.entrypoints.cli.main import main as vllm_main
 
     extra = [] if os.environ.get("SPECGRAMMAR_VLLM_MIDDLEWARE", "1") in ("0", "false", "no", "off") else \

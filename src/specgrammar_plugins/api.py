@@ -15,6 +15,8 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
 - the gate every host runs on a request first: ``check_request`` with the host's ``Host`` -> ``Checked``;
   ``prepare_deadline()``: the one preparation deadline of a request (gate check, compile, budget) on this thread;
   ``normalize_gbnf``: a llama.cpp GBNF grammar as xgrammar's EBNF reads it (the text our xgrammar engine compiles);
+  ``give_back_memory()``: after costly work the host runs outside ``prepare_deadline`` (vLLM's own grammar
+  compile), the memory glibc's arenas kept handed back to the system (``heap``);
 - ``resolve_model``: a model by name (``smollm2-135m``, ``tiny``, ...) or path -> what a host loads (a GGUF for
   ``llama_cpp``, a transformers folder for ``mlx_lm`` / ``vllm``; ``models.real``), ``is_model_name``,
   ``ModelNotInstalled``, ``UnknownModelError``;
@@ -44,6 +46,7 @@ from .constraint import CompiledConstraint, ConstraintSpec, Forced, Matcher
 from .distributions import GREEDY, SamplingParams, log_law
 from .gbnf import normalize_gbnf
 from .gate import Checked, Host, check_request
+from .heap import give_back as give_back_memory
 from .errors import BudgetError, ConstraintError, EmptyMaskError, RequestError, SpecGrammarError, TokenizerMismatchError
 from .history import HistoryMatcher, MaskProcessor, RequestBoundary, StopOnlyMask
 from .laws import LawBackend
@@ -69,7 +72,7 @@ __all__ = [
     "MaskProcessor", "Matcher", "ModelNotInstalled", "ModelRunner", "RecipePackError", "RequestBoundary", "RequestError", "SamplingParams",
     "SpecGrammarError", "SpecOptions", "SpeculativeLoop", "Stats", "StopOnlyMask", "TokenizerInfo",
     "TokenizerMismatchError", "UnknownModelError", "Verdict", "budget_of", "check_budget", "check_request", "common_prefix_len", "compile_constraint", "fill",
-    "allowed_ids", "is_model_name", "law_backend", "log_law", "make_drafter", "make_loop", "mask_allows", "mask_words", "new_mask",
+    "allowed_ids", "give_back_memory", "is_model_name", "law_backend", "log_law", "make_drafter", "make_loop", "mask_allows", "mask_words", "new_mask",
     "normalize_gbnf", "parse_request", "patch_path", "prepare_deadline", "registered_drafters", "resolve_model", "resolve_pack", "resolve_pack_name", "set_bit",
     "sync_runner", "unpack_mask", "verify_block",
     "with_defaults",

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from .errors import ConstraintError
+from .heap import give_back
 
 _local = threading.local()
 
@@ -307,6 +308,7 @@ def prepare_deadline(seconds: float | None = None) -> Iterator[Deadline]:
         yield d
     finally:
         _local.deadline = None
+        give_back()  # what a costly preparation freed stays in glibc's arenas otherwise (heap; issue 33)
 
 
 # ------------------------------------------------------------------------------------------- counts in text

@@ -1,0 +1,64 @@
+"""``heap.give_back`` (issue 33): what a thread freed in glibc's arena goes back to the system after costly work,
+and only when the process grew past the slack."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import pytest
+
+from specgrammar_plugins import heap
+
+pytestmark = pytest.mark.skipif(heap._TRIM is None or heap.rss_bytes() is None,
+                                reason="no glibc malloc_trim or no /proc here")
+
+BLOCK = 64 << 10  # under glibc's mmap threshold: served from the thread's arena, not by mmap
+BLOCKS = 2400  # ~150 MB
+
+
+def _churn_in_a_thread() -> None:
+    """Allocate and touch ~150 MB in a thread's arena, then free all but the last block (it pins the heap's top,
+    so glibc's free cannot shrink the heap: the freed memory stays resident, as after a costly compile)."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def run():
+        ptrs = [libc.malloc(BLOCK) for _ in range(BLOCKS)]
+        for p in ptrs:
+            ctypes.memset(p, 1, BLOCK)
+        for p in ptrs[:-1]:
+            libc.free(p)
+        _kept.append(ptrs[-1])
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+
+
+_kept: list = []
+
+
+def test_freed_arena_memory_is_given_back_past_the_slack():
+    heap.give_back(slack=0)  # (the mark: now)
+    before = heap.rss_bytes()
+    _churn_in_a_thread()
+    grown = heap.rss_bytes() - before
+    assert grown > 100 << 20, grown  # the freed blocks are still resident
+    assert heap.give_back(slack=grown + (64 << 20)) == 0  # under the slack: no trim
+    given = heap.give_back(slack=32 << 20)
+    assert given > 100 << 20, (grown, given)
+    assert heap.rss_bytes() - before < 32 << 20
+
+
+def test_a_preparation_gives_back_what_it_freed():
+    """The end of ``prepare_deadline`` (every host's preparation) trims past the slack."""
+    from specgrammar_plugins.bounds import prepare_deadline
+
+    heap.give_back(slack=0)
+    before = heap.rss_bytes()
+    with prepare_deadline():
+        _churn_in_a_thread()
+        assert heap.rss_bytes() - before > 100 << 20
+    assert heap.rss_bytes() - before < heap.SLACK
