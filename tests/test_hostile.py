@@ -408,6 +408,20 @@ def test_10_smaller_findings(host, case):
 
 
 # ---------------------------------------------------------------------------------------------- a storm
+RSS_SLACK_MB = 200  # issue 33: the server's memory after the storm is within this of its memory before it
+
+
+def server_rss_mb(pid: int) -> float:
+    """The RSS of a server and its processes (vLLM's EngineCore), without the compile workers (each bounded apart:
+    ``RLIMIT_AS``, killed on a deadline, trimmed after each job)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    procs = [root] + [p for p in root.children(recursive=True)
+                      if "specgrammar_plugins.compile_worker" not in " ".join(p.cmdline())]
+    return sum(p.memory_info().rss for p in procs) / 2**20
+
+
 DEADLINE_S = 5.0  # bounds.BOUNDS.prepare_timeout_s: every answer in a storm within it + 1 s
 STORM = {  # the costly kinds of issue 33, sent at once: (fields of a chat request, or raw bytes; the reason)
     "regex-2MB": ({"regex": "a" * (2 << 20)}, r"bytes; the limit is 1048576"),
@@ -437,6 +451,7 @@ def test_a_storm_of_hostile_bodies_beside_an_ordinary_request(host):
         body = {"raw": fields} if isinstance(fields, bytes) else {"body": host.chat(**fields)}
         replies[name] = host.send(**body, timeout=60)
 
+    rss_before = server_rss_mb(host.launched.pid)
     jobs = [threading.Thread(target=send, args=(name, fields)) for name, (fields, _) in STORM.items()]
     jobs.append(threading.Thread(target=send, args=("ordinary", {"structured_outputs": {"regex": YEAR}})))
     for job in jobs:
@@ -460,8 +475,11 @@ def test_a_storm_of_hostile_bodies_beside_an_ordinary_request(host):
     slowest = max(replies.values(), key=lambda r: r.seconds)
     assert slowest.seconds < DEADLINE_S + 1.0, {n: round(r.seconds, 2) for n, r in replies.items()}
     assert health and max(health) < 1.0, health
+    rss_after = server_rss_mb(host.launched.pid)
+    assert rss_after - rss_before < RSS_SLACK_MB, (rss_before, rss_after)
     print(f"\nstorm, {host.kind}: {len(replies)} requests, slowest answer {slowest.seconds:.2f} s, "
-          f"{len(health)} health checks, slowest {max(health):.2f} s")
+          f"{len(health)} health checks, slowest {max(health):.2f} s, server RSS {rss_before:.0f} -> "
+          f"{rss_after:.0f} MB")
     host.serves()
 
 

@@ -243,7 +243,7 @@ def test_the_memory_comes_back(vllm):
     """After every refused body above (run before it, in file order), the server's RSS is within 200 MB of its
     baseline (taken after the first constrained request).  Measured before the valid costly ones below: a
     20,000-option choice or ``(a|b)*a(a|b){25}`` served in time leaves its compiled grammars in the engine's caches
-    (+870 MB seen in one run; docs/HARDENING.md)."""
+    (+870 MB seen in one run before ``heap.give_back``, +345 MB after it; docs/HARDENING.md)."""
     RSS["after"] = server_rss_mb(vllm.launched.pid, "after")
     assert RSS["after"] < RSS["baseline"] + RSS_SLACK_MB, RSS
 
@@ -262,6 +262,15 @@ def test_a_valid_body_is_served_correctly_or_refused_in_time(vllm, case):
         tally(r, ok, False)
         assert ok, (r.status, r.body)
     vllm.after(slowest)
+
+
+def test_the_api_servers_memory_comes_back_after_the_valid_costly_bodies(vllm):
+    """After the valid costly bodies above (the 20,000-option choice, ``(a|b)*a(a|b){25}``), the API server's RSS
+    is within 200 MB of its baseline: glibc kept what the gate's preparation freed (+518-533 MB) until
+    ``heap.give_back`` trimmed it at the end of each preparation (+91 MB measured, the compile cache's share).  The
+    EngineCore is printed, not bounded here: +253 and +268 MB in two runs (docs/HARDENING.md)."""
+    server_rss_mb(vllm.launched.pid, "served")
+    assert RSS["served:api server"] < RSS["baseline:api server"] + RSS_SLACK_MB, RSS
 
 
 def test_an_oversize_body_is_a_413_before_it_is_read(vllm):
