@@ -15,13 +15,16 @@ verified by the target; nothing is injected past the verifier.
 - ``PromptLookupDrafter``: spans copied from the prompt (token n-gram match of the recent output against the
   prompt, as llama-cpp-python's ``LlamaPromptLookupDecoding``; then a text match, which survives the output
   tokenizing a copied value differently), each candidate tried through the block's grammar mask.
-- ``ChainDrafter``: tries its drafters in order at every position (forced, then recipe, then model).
+- ``ChainDrafter``: tries its drafters in order at every position (forced, then recipe, then model), or, with
+  ``chain_order: learnt``, ``forced`` first and the others by their acceptance so far in the request (learnt from
+  what the target committed after each block).
 
 ``build_chain(names, DraftContext)`` builds one request's chain from the registered drafter factories.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Sequence
 
@@ -137,15 +140,83 @@ class ModelDrafter:
 
 
 class ChainDrafter:
-    """Tries its drafters in order at each position: forced tokens, then recipes, then the model."""
+    """Tries its drafters in order at each position: the first that proposes anything drafts there.
+
+    With ``learn=True`` the order is learnt per request (``build_chain``: the option ``"chain_order": "learnt"``, or
+    the environment's ``SPECGRAMMAR_CHAIN_ORDER=learnt``; the default ``"fixed"`` keeps the configured order, because
+    on SmolLM2-135M the learnt order did not raise the mean tokens per target pass of the six workloads: see
+    docs/BENCHMARKS.md, issue 32).  When it is asked to extend a new block, the chain compares the drafts of its previous block
+    (their tokens and sources, and the context length then) with what the target committed since (the new block's
+    ``context``): the common prefix was accepted, the next draft rejected, the drafts after it were never judged.
+    Each source's accepted/rejected counts give a smoothed acceptance estimate (a Beta(1, 1) prior: (a + 1) /
+    (a + r + 2)); ``forced`` stays first (its drafts are certain) and the others are tried by that estimate, highest
+    first (ties in the configured order, so the first block drafts as the fixed chain does).  The draft model
+    proposes at every position, so a source ranked below it is skipped until the model's estimate falls below its
+    own.  A host whose draft model is not in the chain (vLLM's ``draft_model`` through ``batch.BatchDrafter``: the
+    model drafts where the chain proposes nothing) pushes its drafts as source ``model``: once one is seen, the
+    chain yields to the host's model where the model ranks (``extend`` returns 0 there).  The estimates are only
+    this request's (a context that does not extend the last block's starts them afresh), and drafting order never
+    changes the output law: verification is exact."""
 
     name = "chain"
+    FORCED = "forced"
+    PRIOR = (1.0, 1.0)  # Beta(alpha, beta): pseudo-counts of accepted and rejected drafts per source
 
-    def __init__(self, drafters: Sequence[Drafter]):
+    def __init__(self, drafters: Sequence[Drafter], *, learn: bool = True):
         self.drafters = list(drafters)
+        self.learn = learn
+        self.accepted: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
+        self._block: DraftBlock | None = None  # the block being extended (its drafts are judged at the next one)
+        self._start = 0  # len(its context)
+        self._ends: tuple[int, int] | None = None  # its context's first and last tokens
+        self._order: list[Drafter | None] = list(self.drafters)  # None: the host's draft model
+
+    def estimate(self, source: str) -> float:
+        """The smoothed acceptance estimate of ``source`` in this request."""
+        a, r = self.accepted.get(source, 0), self.rejected.get(source, 0)
+        alpha, beta = self.PRIOR
+        return (a + alpha) / (a + r + alpha + beta)
+
+    def order(self) -> list[str]:
+        """The sources in the order the chain tries them now (``model`` where a host's draft model drafts)."""
+        return [d.name if d is not None else "model" for d in self._order]
+
+    def _rank(self) -> list[Drafter | None]:
+        forced = [d for d in self.drafters if d.name == self.FORCED]
+        rest: list[Drafter | None] = [d for d in self.drafters if d.name != self.FORCED]
+        if "model" not in {d.name for d in self.drafters} and ("model" in self.accepted or "model" in self.rejected):
+            rest.append(None)  # the host's draft model, seen in the blocks' sources
+        rest.sort(key=lambda d: -self.estimate(d.name if d is not None else "model"))  # (stable: ties keep order)
+        return [*forced, *rest]
+
+    def _judge(self, block: DraftBlock) -> None:
+        """A new block: count the previous block's drafts against what the target committed since."""
+        prev, ctx = self._block, block.context
+        n = len(ctx)
+        if prev is not None and n > self._start and self._ends == (int(ctx[0]), int(ctx[self._start - 1])):
+            committed = ctx[self._start:]
+            for i, (t, s) in enumerate(zip(prev.tokens, prev.sources)):
+                if i >= len(committed):
+                    break  # (the request ended before it: never judged)
+                if int(committed[i]) == t:
+                    self.accepted[s] = self.accepted.get(s, 0) + 1
+                else:
+                    self.rejected[s] = self.rejected.get(s, 0) + 1
+                    break
+        elif prev is not None and n != self._start:  # not this request's next block: a new request
+            self.accepted.clear()
+            self.rejected.clear()
+        self._block, self._start = block, n
+        self._ends = (int(ctx[0]), int(ctx[n - 1])) if n else None
+        self._order = self._rank()
 
     def extend(self, block: DraftBlock, budget: int) -> int:
-        for d in self.drafters:
+        if self.learn and block is not self._block:
+            self._judge(block)
+        for d in self._order:
+            if d is None:
+                return 0  # the host's draft model drafts here
             n = d.extend(block, budget)
             if n:
                 return n
@@ -182,9 +253,13 @@ def build_chain(names: Sequence[str], ctx: DraftContext) -> Drafter | None:
         d = reg[name](ctx)
         if d is not None:
             out.append(d)
+    order = ctx.options.get("chain_order", os.environ.get("SPECGRAMMAR_CHAIN_ORDER", "fixed"))
+    if order not in ("learnt", "fixed"):
+        raise RequestError(f'the option "chain_order" (or SPECGRAMMAR_CHAIN_ORDER) must be "learnt" or "fixed", '
+                           f'got {order!r}')
     if not out:
         return None
-    return out[0] if len(out) == 1 else ChainDrafter(out)
+    return out[0] if len(out) == 1 else ChainDrafter(out, learn=order == "learnt")
 
 
 class RecipeDrafter:
