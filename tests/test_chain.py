@@ -29,7 +29,8 @@ def _round(chain, context: list[int], budget: int = 2) -> DraftBlock:
 
 
 def test_chain_orders_its_sources_by_what_the_target_accepted():
-    chain = ChainDrafter([Run("forced", []), Run("recipe", [10, 11]), Run("prompt", [20, 21]), Run("model", [30])])
+    chain = ChainDrafter([Run("forced", []), Run("recipe", [10, 11]), Run("prompt", [20, 21]), Run("model", [30])],
+                         learn=True)
     assert chain.order() == ["forced", "recipe", "prompt", "model"]  # the configured order first
     ctx = [1, 2, 3]
     b = _round(chain, ctx)
@@ -55,7 +56,7 @@ def test_chain_orders_its_sources_by_what_the_target_accepted():
 
 
 def test_chain_yields_to_a_host_model_it_has_seen_and_fixed_order_keeps_it():
-    chain = ChainDrafter([Run("forced", []), Run("prompt", [20])])
+    chain = ChainDrafter([Run("forced", []), Run("prompt", [20])], learn=True)
     ctx = [1, 2]
     b = DraftBlock(ctx, None, 100, 2)
     assert chain.extend(b, 1) == 1

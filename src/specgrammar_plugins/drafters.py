@@ -162,7 +162,7 @@ class ChainDrafter:
     FORCED = "forced"
     PRIOR = (1.0, 1.0)  # Beta(alpha, beta): pseudo-counts of accepted and rejected drafts per source
 
-    def __init__(self, drafters: Sequence[Drafter], *, learn: bool = True):
+    def __init__(self, drafters: Sequence[Drafter], *, learn: bool = False):
         self.drafters = list(drafters)
         self.learn = learn
         self.accepted: dict[str, int] = {}
