@@ -293,12 +293,22 @@ def build(manager, request):
 
 def wrap_create_grammar(cls) -> None:
     """``StructuredOutputManager._create_grammar`` (run in vLLM's compile thread pool) returns the grammar wrapped
-    with the request's budget (idempotent)."""
+    with the request's budget (idempotent).  Afterwards the memory vLLM's compile and the budget freed goes back to
+    the system (``api.give_back_memory``): glibc 2.36 kept it in that thread's arena, and a 20,000-option choice
+    left the EngineCore +308 MB (issue 33)."""
     orig = cls._create_grammar
     if getattr(orig, "_specgrammar", False):
         return
 
     def _create_grammar(self, request):
+        from specgrammar_plugins.api import give_back_memory
+
+        try:
+            return _budgeted(self, request)
+        finally:
+            give_back_memory()
+
+    def _budgeted(self, request):
         grammar = orig(self, request)
         if not enabled():
             return grammar

@@ -99,40 +99,12 @@ def warn_v2(module) -> None:
 
 
 def budget(module) -> None:
-    """3. ``vllm.v1.structured_output``: each structured request's grammar carries its budget mask
-    (``budget_mask.install``)."""
+    """3. ``vllm.v1.structured_output``: each structured request's grammar carries its budget mask, and the memory
+    its compile freed goes back to the system (``budget_mask.install``)."""
     from . import budget_mask
 
     budget_mask.install(module)
     STATE["budget_mask"] = True
-    try:
-        _give_back_after_compiles(module.StructuredOutputManager)
-    except Exception as e:
-        log.warning("specgrammar: no memory trim after grammar compiles (%s: %s)", type(e).__name__, e)
-
-
-def _give_back_after_compiles(cls) -> None:
-    """After each structured request's grammar is built (vLLM's compile and its budget, in vLLM's compile thread
-    pool, off the engine step), the memory they freed goes back to the system (``api.give_back_memory``): glibc
-    2.36 kept it in that thread's arena, and a 20,000-option choice left the EngineCore +308 MB (issue 33).
-    Wraps outside the budget's wrapper, so its memory is counted too (idempotent)."""
-    orig = cls._create_grammar
-    if getattr(orig, "_specgrammar_heap", False):
-        return
-
-    def _create_grammar(self, request):
-        from specgrammar_plugins.api import give_back_memory
-
-        try:
-            return orig(self, request)
-        finally:
-            give_back_memory()
-
-    _create_grammar._specgrammar_heap = True  # type: ignore[attr-defined]
-    # (the budget's wrapper, under this one, stays found by its own idempotence check)
-    _create_grammar._specgrammar = getattr(orig, "_specgrammar", False)  # type: ignore[attr-defined]
-    _create_grammar.__wrapped__ = orig  # type: ignore[attr-defined]
-    cls._create_grammar = _create_grammar
 
 
 HOOKS = {RUNNER_MODULE: wire, V2_SPECULATOR: warn_v2, "vllm.v1.structured_output": budget}
