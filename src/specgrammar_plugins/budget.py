@@ -691,7 +691,7 @@ class CertifiedBudget(Budget):
         if limit < 1 or not self.hm.sync([*h, t]):
             return None
         m = self._checked(self.hm.matcher)
-        at = self._scans[len(h)] if len(self._scans) > len(h) else self._scan_of([*h])
+        at = self._scan_at([*h])
         scan = at.copy()
         scan.feed(self.tok.token_bytes[t])
         d = len(at.stack)
@@ -720,6 +720,10 @@ class CertifiedBudget(Budget):
         s = _Scan()
         s.feed(self.tok.decode(ids))
         return s
+
+    def _scan_at(self, ids: Sequence[int]) -> _Scan:
+        """The lexical scan after ``ids``, a prefix of the committed path: kept along the path, else worked out."""
+        return self._scans[len(ids)] if len(ids) < len(self._scans) else self._scan_of(ids)
 
     def _sync(self, generated: Sequence[int]) -> tuple | None:
         """The certificate of ``generated`` (computed along it, from the longest prefix known)."""
@@ -870,12 +874,11 @@ class CertifiedBudget(Budget):
             if lim <= len(ids) <= len(generated) and list(generated[:len(ids)]) == ids:
                 scan, start = last.copy(), len(ids)
             else:
-                scan = self._scans[lim] if lim < len(self._scans) else self._scan_of(generated[:lim])
-                scan, start = scan.copy(), lim
+                scan, start = self._scan_at(generated[:lim]).copy(), lim
             scan.feed(self.tok.decode(list(generated[start:])))
             self._ahead = (list(generated), scan)
         else:
-            scan = self._scans[lim] if lim < len(self._scans) else self._scan_of(generated[:lim])
+            scan = self._scan_at(generated[:lim])
         packed = self._vocab.lexed()[3]
         kind = scan.stack[-1][0] if scan.stack else "["
         if scan.esc or kind not in "{[":
