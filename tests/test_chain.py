@@ -75,3 +75,82 @@ def test_chain_yields_to_a_host_model_it_has_seen_and_fixed_order_keeps_it():
     assert learnt.learn
     with pytest.raises(RequestError, match="chain_order"):
         build_chain(["forced"], DraftContext(options={"chain_order": "best"}))
+
+
+class Guess:
+    """A one-hot source: the masked argmax of another table's logits after the last two tokens (likely or not)."""
+
+    name = "recipe"
+
+    def __init__(self, table):
+        self.table = table
+
+    def extend(self, block: DraftBlock, budget: int) -> int:
+        import numpy as np
+
+        from specgrammar_plugins.masks import unpack_mask
+
+        seq = block.sequence()
+        z = self.table.logits_after(seq[-2] if len(seq) > 1 else -1, seq[-1])
+        allowed = unpack_mask(block.mask(), len(z))
+        return push_run(block, [int(np.argmax(np.where(allowed, z, -np.inf)))], self.name)
+
+
+def _gated_chain(tok, guess, draft, params, rng, gate):
+    from specgrammar_plugins.drafters import ForcedDrafter, ModelDrafter
+
+    return ChainDrafter([ForcedDrafter(tok.encode), Guess(guess), ModelDrafter(draft, params, rng)], gate=gate)
+
+
+def test_one_hot_gate_keeps_the_target_law(toy_tok):
+    """At T > 0 the gate (``one_hot_gate``) hands positions whose one-hot draft the draft model finds unlikely to
+    the model's own sampled draft: whole outputs still follow plain constrained sampling's exact law (chi-square,
+    p > 0.001), and the gate did refuse one-hot drafts that the model then drafted."""
+    import zlib
+    from collections import Counter
+
+    import numpy as np
+
+    from conftest import outputs_chi2
+    from specgrammar_plugins import ConstraintSpec, SamplingParams, compile_constraint
+    from specgrammar_plugins.loop import generate
+    from specgrammar_plugins.testing import MarkovRunner, exact_law
+
+    c = compile_constraint(ConstraintSpec.regex(r"(a|b|ab)(a|ba)?-[0-9]"), toy_tok, engine="dfa")
+    prompt = toy_tok.encode("ab")
+    params = SamplingParams(temperature=0.8)
+    law = exact_law(MarkovRunner(toy_tok.vocab_size, seed=5, valid=len(toy_tok.token_bytes)), prompt, c, params, 8)
+    target = MarkovRunner(toy_tok.vocab_size, seed=5, valid=len(toy_tok.token_bytes))
+    draft = MarkovRunner(toy_tok.vocab_size, seed=6, noise_of=target, noise=1.5)
+    guess = MarkovRunner(toy_tok.vocab_size, seed=7, noise_of=target, noise=3.0)
+    rng = np.random.default_rng(zlib.crc32(b"one_hot_gate"))
+    N = 3000
+    seen, gated, by_source = Counter(), 0, Counter()
+    for _ in range(N):
+        chain = _gated_chain(toy_tok, guess, draft, params, rng, 0.3)
+        out, st = generate(target, prompt, constraint=c, drafter=chain, k=4, params=params, max_tokens=8, rng=rng)
+        seen[tuple(out)] += 1
+        gated += chain.gated
+        by_source.update(st.drafted_by_source)
+    assert gated > 0 and by_source["model"] > 0 and by_source["recipe"] > 0, (gated, by_source)
+    assert set(seen) <= set(law), "the loop produced an output plain sampling cannot"
+    assert outputs_chi2(law, seen, N) > 0.001
+
+
+def test_one_hot_gate_option(monkeypatch):
+    from specgrammar_plugins.distributions import GREEDY, SamplingParams
+    from specgrammar_plugins.drafters import one_hot_gate
+
+    monkeypatch.delenv("SPECGRAMMAR_ONE_HOT_GATE", raising=False)
+    hot = SamplingParams(temperature=0.7)
+    assert one_hot_gate(DraftContext(params=hot, options={"one_hot_gate": 0.2})) == 0.2
+    assert one_hot_gate(DraftContext(params=GREEDY, options={"one_hot_gate": 0.2})) is None  # T = 0: off
+    assert one_hot_gate(DraftContext(params=hot)) is None  # off unless asked for
+    monkeypatch.setenv("SPECGRAMMAR_ONE_HOT_GATE", "0.4")
+    assert one_hot_gate(DraftContext(params=hot)) == 0.4
+    opts = {"suffix_index": SuffixIndex()}
+    chain = build_chain(["forced", "suffix"], DraftContext(params=hot, options=opts))
+    assert isinstance(chain, ChainDrafter) and chain.gate is None  # no draft model in the chain: nothing to gate
+    for bad in (0, 1.5, "most", True):
+        with pytest.raises(RequestError, match="one_hot_gate"):
+            build_chain(["forced", "suffix"], DraftContext(params=hot, options={**opts, "one_hot_gate": bad}))

@@ -17,7 +17,9 @@ verified by the target; nothing is injected past the verifier.
   tokenizing a copied value differently), each candidate tried through the block's grammar mask.
 - ``ChainDrafter``: tries its drafters in order at every position (forced, then recipe, then model), or, with
   ``chain_order: learnt``, ``forced`` first and the others by their acceptance so far in the request (learnt from
-  what the target committed after each block).
+  what the target committed after each block); at T > 0, with ``one_hot_gate`` (off by default: on SmolLM2-135M
+  it lowered tokens per target pass, docs/BENCHMARKS.md), a one-hot draft the draft model finds unlikely is left
+  to the draft model's own sampled draft.
 
 ``build_chain(names, DraftContext)`` builds one request's chain from the registered drafter factories.
 """
@@ -138,6 +140,39 @@ class ModelDrafter:
         pushed = block.push(token, law, "model", check=not self.blind)
         return 1 if pushed else 0
 
+    def prob(self, block: DraftBlock, token: int) -> float:
+        """The proposal law's probability of ``token`` at the block's current position (the law ``extend`` would
+        draw from there; no random draw is used, and the draft model's logits are kept for that draw)."""
+        logits = self._logits(block.sequence())
+        law_backend = block.law if block.law is not None else laws.get(None)
+        best, law = law_backend.draft(logits, block, self.params, 0.5, blind=self.blind, width=self.width)
+        if law is None:  # greedy: one-hot at the argmax
+            return 1.0 if best == token else 0.0
+        p = law_backend.dense(law, self.width)[int(token)]
+        return float(p.item() if hasattr(p, "item") else p)
+
+
+class _Gated:
+    """A view of a ``DraftBlock`` that refuses a one-hot draft (a source other than ``forced``) to which the draft
+    model gives less than ``floor`` (``ModelDrafter.prob``); everything else is the block's.  ``ChainDrafter``
+    hands it to its one-hot sources at T > 0 (``gate``): such a draft is accepted with the target's own
+    probability of that token, where the draft model's sampled draft is accepted with sum min(p, q)."""
+
+    def __init__(self, block: DraftBlock, model: ModelDrafter, floor: float):
+        self._block, self._model, self._floor = block, model, floor
+        self.refused = 0
+
+    def __getattr__(self, name):
+        return getattr(self._block, name)
+
+    def push(self, token: int, law=None, source: str = "model", *, check: bool = True) -> bool:
+        b = self._block
+        if law is None and source != ChainDrafter.FORCED and not b.done and b.allows(token) and \
+                self._model.prob(b, token) < self._floor:
+            self.refused += 1
+            return False
+        return b.push(token, law, source, check=check)
+
 
 class ChainDrafter:
     """Tries its drafters in order at each position: the first that proposes anything drafts there.
@@ -156,15 +191,23 @@ class ChainDrafter:
     model drafts where the chain proposes nothing) pushes its drafts as source ``model``: once one is seen, the
     chain yields to the host's model where the model ranks (``extend`` returns 0 there).  The estimates are only
     this request's (a context that does not extend the last block's starts them afresh), and drafting order never
-    changes the output law: verification is exact."""
+    changes the output law: verification is exact.
+
+    ``gate`` (``one_hot_gate``, T > 0 only, with a draft model in the chain): the one-hot sources (all but
+    ``forced``) draft through a view of the block (``_Gated``) that refuses a token the draft model gives less
+    than ``gate``; the position is then the draft model's.  ``gated`` counts the refusals."""
 
     name = "chain"
     FORCED = "forced"
     PRIOR = (1.0, 1.0)  # Beta(alpha, beta): pseudo-counts of accepted and rejected drafts per source
 
-    def __init__(self, drafters: Sequence[Drafter], *, learn: bool = False):
+    def __init__(self, drafters: Sequence[Drafter], *, learn: bool = False, gate: float | None = None):
         self.drafters = list(drafters)
         self.learn = learn
+        # at T > 0 (``build_chain``: the option "one_hot_gate"): the draft model's floor for a one-hot draft
+        self.model = next((d for d in self.drafters if isinstance(d, ModelDrafter)), None)
+        self.gate = gate if self.model is not None else None
+        self.gated = 0  # one-hot drafts refused by the gate (the draft model drafted there, or nothing did)
         self.accepted: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         self._block: DraftBlock | None = None  # the block being extended (its drafts are judged at the next one)
@@ -214,13 +257,18 @@ class ChainDrafter:
     def extend(self, block: DraftBlock, budget: int) -> int:
         if self.learn and block is not self._block:
             self._judge(block)
-        for d in self._order:
-            if d is None:
-                return 0  # the host's draft model drafts here
-            n = d.extend(block, budget)
-            if n:
-                return n
-        return 0
+        view = block if self.gate is None else _Gated(block, self.model, self.gate)
+        try:
+            for d in self._order:
+                if d is None:
+                    return 0  # the host's draft model drafts here
+                n = d.extend(block if d is self.model or d.name == self.FORCED else view, budget)
+                if n:
+                    return n
+            return 0
+        finally:
+            if view is not block:
+                self.gated += view.refused
 
 
 class DraftContext:
@@ -259,7 +307,32 @@ def build_chain(names: Sequence[str], ctx: DraftContext) -> Drafter | None:
                            f'got {order!r}')
     if not out:
         return None
-    return out[0] if len(out) == 1 else ChainDrafter(out, learn=order == "learnt")
+    gate = one_hot_gate(ctx)
+    return out[0] if len(out) == 1 else ChainDrafter(out, learn=order == "learnt", gate=gate)
+
+
+def one_hot_gate(ctx: DraftContext) -> float | None:
+    """The draft model's floor for one-hot drafts at T > 0: the option ``"one_hot_gate"`` (or the environment's
+    ``SPECGRAMMAR_ONE_HOT_GATE``), a probability in (0, 1]; None (off, the default) at T = 0 or when unset.
+
+    A one-hot draft x (recipe, layout, prompt copy, suffix) is accepted with the target's probability q(x); the
+    draft model's sampled draft with sum min(p, q).  With a floor, a chain that holds a draft model drafts a one-hot
+    token only where the draft model gives it at least that probability, and lets the model draw its own draft
+    elsewhere (inside sampled strings and numbers).  The choice depends on the context alone (no random draw), and
+    each draft is verified with the law it was drawn from, so the output law stays the target's."""
+    from .errors import RequestError
+
+    raw = ctx.options.get("one_hot_gate", os.environ.get("SPECGRAMMAR_ONE_HOT_GATE"))
+    if raw is None or raw == "" or raw is False:
+        return None
+    try:
+        gate = float(raw)
+    except (TypeError, ValueError):
+        gate = float("nan")
+    if not 0.0 < gate <= 1.0 or isinstance(raw, bool):
+        raise RequestError(f'the option "one_hot_gate" (or SPECGRAMMAR_ONE_HOT_GATE) must be a probability in '
+                           f'(0, 1], got {raw!r}')
+    return None if ctx.params.greedy else gate
 
 
 class RecipeDrafter:
