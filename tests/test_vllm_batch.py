@@ -1,18 +1,23 @@
 """The grammar-aware drafting mixin (``draft_proposer.GrammarDrafting``) against vLLM's own proposer classes, without
-an engine: the draft-model method runs end to end in tests/test_vllm_draft_model.py; EAGLE/EAGLE-3 and MTP (vLLM's
-``EagleProposer``, which needs an EAGLE head no CPU test ships) are covered here by the classes vLLM builds.
+an engine: the draft-model method runs end to end in tests/test_vllm_draft_model.py, EAGLE in
+tests/test_real_model_vllm.py (SmolLM2 with the head ``models.real_eagle`` builds); EAGLE-3 and MTP (the same
+``EagleProposer``; no CPU-runnable EAGLE-3 head or MTP model here) are covered here by the classes vLLM builds.
 
 - each of vLLM's ``SpecDecodeBaseProposer`` subclasses that drafts position by position composes with the mixin: our
   three hooks come first in the MRO and ``super()`` reaches vLLM's own class;
 - vLLM's base class still defines each hook with the signature we override, and its drafting loop (``propose``)
   still calls ``_sample_draft_tokens``, and the runner calls ``prepare_next_token_ids_padded``: a vLLM release that
   renames one fails here instead of silently drafting grammar-blind;
-- the runner builds ``EagleProposer`` for every method that uses the target's hidden states (eagle, eagle3, mtp).
+- the runner builds ``EagleProposer`` for every method that uses the target's hidden states (eagle, eagle3, mtp),
+  by the name ``wiring.py`` makes build ours while ``isinstance`` keeps vLLM's meaning;
+- the launcher's config helpers take the EAGLE methods.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+import types
 
 import pytest
 
@@ -75,3 +80,60 @@ def test_the_runner_builds_eagles_proposer_for_hidden_state_methods(method):
     from vllm.config.speculative import SpeculativeConfig
 
     assert SpeculativeConfig.use_eagle(SimpleNamespace(method=method))
+
+
+def test_wiring_makes_the_runner_build_our_eagle_proposer_and_keeps_isinstance(monkeypatch):
+    """``wiring.wire`` turns ``gpu_model_runner.EagleProposer`` into a name that builds ``GrammarEagleProposer`` (for
+    eagle, eagle3 and mtp: gpu_model_runner.py builds them all by it) and that ``isinstance`` / ``issubclass``
+    answer for as vLLM's class (vLLM's ``Step3p5MTPProposer`` subclasses it and the runner asserts that);
+    idempotent; ``SPECGRAMMAR_VLLM_DRAFTS=0`` leaves vLLM's class."""
+    from vllm.v1.spec_decode.step3p5 import Step3p5MTPProposer
+
+    from specgrammar_vllm import wiring
+    from specgrammar_vllm.draft_proposer import GrammarDraftProposer
+
+    monkeypatch.delenv("SPECGRAMMAR_VLLM_DRAFTS", raising=False)
+
+    def runner_module():
+        mod = types.ModuleType("fake_gpu_model_runner")
+        mod.DraftModelProposer, mod.EagleProposer = DraftModelProposer, EagleProposer
+        mod.GPUModelRunner = type("GPUModelRunner", (), {"__init__": lambda self: None})
+        return mod
+
+    mod = runner_module()
+    wiring.wire(mod)
+    name = mod.EagleProposer
+    wiring.wire(mod)  # idempotent
+    assert mod.EagleProposer is name and mod.DraftModelProposer is GrammarDraftProposer and wiring.STATE["eagle"]
+    assert name.grammar_class is GrammarEagleProposer and name.__wrapped__ is EagleProposer
+    built = []
+    monkeypatch.setattr(name, "grammar_class", lambda *a, **kw: built.append((a, kw)) or "ours")
+    assert mod.EagleProposer("cfg", "cpu", "runner") == "ours" and built == [(("cfg", "cpu", "runner"), {})]
+    for cls in (EagleProposer, GrammarEagleProposer, Step3p5MTPProposer):
+        obj = object.__new__(cls)
+        assert isinstance(obj, name) and isinstance(obj, name | DraftModelProposer) and issubclass(cls, name)
+    assert not isinstance(object.__new__(DraftModelProposer), name) and not issubclass(DraftModelProposer, name)
+    with pytest.raises(TypeError):
+        wiring.eagle_name(DraftModelProposer)  # not the class ours extends: vLLM's stays (wire logs it)
+
+    monkeypatch.setenv("SPECGRAMMAR_VLLM_DRAFTS", "0")
+    plain = runner_module()
+    wiring.wire(plain)
+    assert plain.EagleProposer is EagleProposer
+
+
+def test_the_launcher_takes_the_eagle_methods():
+    """``--speculative-config`` with an EAGLE method gets what our proposer needs from the launcher (no async
+    scheduling; ``uses_draft_model`` also sets ``VLLM_USE_V2_MODEL_RUNNER=0``), and ``speculative_config`` writes it."""
+    from specgrammar_vllm import config, serve
+
+    assert config.speculative_config("eagle", 3, "HEAD") == {"method": "eagle", "model": "HEAD",
+                                                              "num_speculative_tokens": 3}
+    assert config.speculative_config("eagle3", 2, "H")["method"] == "eagle3"
+    with pytest.raises(ValueError):
+        config.speculative_config("eagle", 3)
+    for method in ("eagle", "eagle3", "mtp"):
+        sc = json.dumps({"method": method, "model": "H", "num_speculative_tokens": 2})
+        assert config.uses_draft_model(sc)
+        assert serve.build_argv(["m", "--speculative-config", sc])[-1] == "--no-async-scheduling"
+    assert not config.uses_draft_model({"method": "ngram", "num_speculative_tokens": 2})

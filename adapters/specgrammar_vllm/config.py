@@ -5,7 +5,10 @@
 - with a draft model: vLLM's own ``method="draft_model"``; the specgrammar general plugin makes vLLM build the
   grammar-aware ``GrammarDraftProposer`` for it (host drafts first, then the draft model masked by the grammar).
   vLLM's grammar-blind proposer, for comparison: the same config with ``additional_config={"specgrammar":
-  {"grammar_drafts": False}}`` (``BLIND``), or ``SPECGRAMMAR_VLLM_DRAFTS=0`` for the whole process.
+  {"grammar_drafts": False}}`` (``BLIND``), or ``SPECGRAMMAR_VLLM_DRAFTS=0`` for the whole process;
+- with an EAGLE / EAGLE-3 head: vLLM's own ``method="eagle"`` / ``"eagle3"``; the plugin makes vLLM build the
+  grammar-aware ``GrammarEagleProposer`` for it (and for ``"mtp"``, the target's own MTP layers); grammar-blind
+  with ``BLIND`` as above.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from __future__ import annotations
 import json
 
 PROPOSER = "specgrammar_vllm.proposer.GrammarProposer"
-METHODS = ("grammar", "ngram", "draft_model")
+METHODS = ("grammar", "ngram", "draft_model", "eagle", "eagle3")
+# the methods whose proposer is a SpecDecodeBaseProposer running a model (ours, with the plugin): V1 model runner,
+# committed tokens on the host (no async scheduling)
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 BLIND = {"grammar_drafts": False}
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
@@ -23,8 +29,9 @@ def speculative_config(method: str | None = "grammar", k: int = 4, draft_model: 
     """vLLM's ``speculative_config`` for ``method``: ``"grammar"`` (ours: ``GrammarProposer`` through
     ``method="custom_class"``, or with ``draft_model`` vLLM's ``draft_model`` method, which the plugin makes
     grammar-aware), ``"ngram"`` or ``"draft_model"`` (the draft-model config; grammar-blind only with ``BLIND``
-    in the engine's additional config), None (no speculation).  ``k``: draft tokens per step; ``extra``: more
-    ``SpeculativeConfig`` fields (e.g. ``draft_sample_method="probabilistic"``)."""
+    in the engine's additional config), ``"eagle"`` / ``"eagle3"`` (vLLM's EAGLE method with the head
+    ``draft_model``, grammar-aware unless ``BLIND``), None (no speculation).  ``k``: draft tokens per step;
+    ``extra``: more ``SpeculativeConfig`` fields (e.g. ``draft_sample_method="probabilistic"``)."""
     if method is None:
         return None
     if method == "grammar" and draft_model is None:
@@ -32,10 +39,11 @@ def speculative_config(method: str | None = "grammar", k: int = 4, draft_model: 
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": 4, "prompt_lookup_min": 1,
                 **extra}
-    if method in ("grammar", "draft_model"):
+    if method in ("grammar", "draft_model", "eagle", "eagle3"):
+        name = "draft_model" if method == "grammar" else method
         if draft_model is None:
-            raise ValueError("method='draft_model' needs draft_model=PATH")
-        return {"method": "draft_model", "model": str(draft_model), "num_speculative_tokens": int(k), **extra}
+            raise ValueError(f"method={name!r} needs draft_model=PATH")
+        return {"method": name, "model": str(draft_model), "num_speculative_tokens": int(k), **extra}
     raise ValueError(f"unknown method {method!r} ({', '.join(METHODS)} or None)")
 
 
@@ -45,7 +53,9 @@ def speculative_config_arg(k: int, draft_model: str | None = None, **extra) -> s
 
 
 def uses_draft_model(sc: dict | str | None) -> bool:
-    """Whether a ``--speculative-config`` (dict or JSON) runs a draft model (vLLM's ``draft_model`` method)."""
+    """Whether a ``--speculative-config`` (dict or JSON) runs a draft model or head through one of vLLM's
+    ``SpecDecodeBaseProposer`` classes (``MODEL_METHODS``: draft_model, eagle, eagle3, mtp), which our proposers
+    extend."""
     if isinstance(sc, str):
         try:
             sc = json.loads(sc)
@@ -53,4 +63,4 @@ def uses_draft_model(sc: dict | str | None) -> bool:
             return False
     if not isinstance(sc, dict):
         return False
-    return sc.get("method") == "draft_model" or (sc.get("method") is None and bool(sc.get("model")))
+    return sc.get("method") in MODEL_METHODS or (sc.get("method") is None and bool(sc.get("model")))

