@@ -16,9 +16,10 @@ padding (``prepare(right_padding=...)`` + ``finalize()``, the way mlx-lm itself 
 left padding).  The row's ``offset`` (its RoPE position) falls by what it dropped, and the mask hides the shifted
 part.  Rows that finish or fail leave the batch (``BatchKVCache.filter``).
 
-Drafting is per row (the model-free drafters: forced tokens, recipes, prompt copy, suffix, layout; with a draft
-model, each row drafts with its own ``MLXRunner`` over the draft model, one row at a time): only the target's
-verification is batched.
+Drafting is per row (each row's own chain: forced tokens, recipes, then the draft model, or without one the
+model-free layout, prompt copy, suffix).  With a draft model the rows' draft models are one batched pass per draft
+position (``api.draft_rows`` over ``MLXDraftBatch``: the draft model over its own ``BatchKVCache``, each row's
+``DraftRow`` rolled back alone like the target's rows), so only the grammar work stays per row.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from specgrammar_plugins.api import BatchLoop, SpecOptions, make_loop
+from specgrammar_plugins.api import BatchLoop, DraftRow, SpecOptions, make_loop
 
 from .generate import sampling_params, stop_ids
 from .processor import compile_for, tokenizer_info
@@ -49,12 +50,16 @@ def forward_rows(model, cache: list, feeds: list[list[int]]):
 
 
 def rollback_rows(cache: list, width: int, kept: list[int]) -> None:
-    """After a pass that fed ``width`` positions to every row, row i keeps the first ``kept[i]`` of them: trim the
-    smallest drop from every row, then shift each row that drops more right by the rest, into its left padding
-    (``BatchKVCache.prepare(right_padding=...)`` + ``finalize``: its offset falls by it, the mask hides it)."""
+    """After a pass that fed ``width`` positions to every row, row i keeps the first ``kept[i]`` of them."""
+    drop_rows(cache, [width - k for k in kept])
+
+
+def drop_rows(cache: list, drops: list[int]) -> None:
+    """Row i drops its last ``drops[i]`` positions: trim the smallest drop from every row, then shift each row that
+    drops more right by the rest, into its left padding (``BatchKVCache.prepare(right_padding=...)`` + ``finalize``:
+    its offset falls by it, the mask hides it)."""
     import mlx.core as mx
 
-    drops = [width - k for k in kept]
     low = min(drops)
     extra = [d - low for d in drops]
     for c in cache:
@@ -83,6 +88,7 @@ class MLXBatchTarget:
         self.padding = 0  # of those, padding
         self.rollback_s = 0.0  # time in the per-row rollback (the shift of the rows that dropped more)
         self.forward_s = 0.0
+        self.draft_passes = 0  # batch_generate with a draft model: the batched draft passes
         self._width = 0
 
     def add(self, prefix: Sequence[int]) -> None:
@@ -129,6 +135,46 @@ class MLXBatchTarget:
         self.rows = len(keep)
 
 
+class MLXDraftBatch:
+    """The draft model over its own ``BatchKVCache`` per layer, for the rows that draft with it: the batched draft
+    pass of ``api.draft_rows`` (``__call__``).  Rows join with ``add(key, tokens)`` (prefilled alone, merged in; the
+    row's ``DraftRow`` back) and leave with ``keep(keys)``.  A pass first drops, per row, what its drafter trimmed
+    and the padding the last pass left it (``drop_rows``), then feeds every waiting row's tokens in ONE forward (rows
+    padded on the right; a row that is not waiting is all padding), and hands each waiting row its last position's
+    logits."""
+
+    def __init__(self, model, prefill_step_size: int = 2048):
+        self.rows = MLXBatchTarget(model, prefill_step_size)
+        self.keys: list = []
+        self.pad: list[int] = []  # per row: padding the last pass left in its cache
+        self.passes = 0
+
+    def add(self, key, tokens: Sequence[int]) -> DraftRow:
+        self.rows.add(tokens)
+        self.keys.append(key)
+        self.pad.append(0)
+        return DraftRow(tokens, self.rows.vocab_size, self.rows.tensors)
+
+    def keep(self, keys) -> None:
+        keys = set(keys)
+        idx = [j for j, k in enumerate(self.keys) if k in keys]
+        if len(idx) < len(self.keys):
+            self.rows.remove(idx)
+            self.keys = [self.keys[j] for j in idx]
+            self.pad = [self.pad[j] for j in idx]
+
+    def __call__(self, asks: dict) -> dict:
+        drops = [p + (asks[k][0] if k in asks else 0) for k, p in zip(self.keys, self.pad)]
+        if any(drops):
+            drop_rows(self.rows.cache, drops)
+        feeds = [list(asks[k][1]) if k in asks else [] for k in self.keys]
+        width = max(len(f) for f in feeds)
+        out = forward_rows(self.rows.model, self.rows.cache, feeds)
+        self.pad = [width - len(f) for f in feeds]
+        self.passes += 1
+        return {k: out[j, len(f) - 1: len(f)] for j, (k, f) in enumerate(zip(self.keys, feeds)) if k in asks}
+
+
 @dataclass
 class BatchRequest:
     """One request of a batch: prompt token ids, its constraint (``ConstraintSpec`` or ``CompiledConstraint``;
@@ -146,19 +192,18 @@ class BatchRequest:
 
 
 def make_row(target: MLXBatchTarget, tokenizer, req: BatchRequest, *, k: int = 4, engine: str | None = None,
-             draft_model=None):
-    """The request's ``SpeculativeLoop`` on a ``RowRunner`` (its cache row is added by the caller)."""
+             draft: MLXDraftBatch | None = None, key=None):
+    """The request's ``SpeculativeLoop`` on a ``RowRunner`` (its cache row is added by the caller); with ``draft``,
+    its draft model drafts in the batched draft pass (the row added to ``draft`` under ``key``)."""
     width = target.vocab_size
     compiled = compile_for(req.constraint, tokenizer, width, engine) if req.constraint is not None else None
     tokinfo = compiled.tokenizer if compiled is not None else tokenizer_info(tokenizer, width)
     options = req.options if req.options.k is not None else SpecOptions(**{**req.options.__dict__, "k": k})
-    draft = None
-    if draft_model is not None:
-        draft = MLXRunner(draft_model, what="draft model")
     prompt = [int(t) for t in req.prompt]
+    row = draft.add(key, prompt[:-1]) if draft is not None and options.k and "model" in options.drafters else None
     return make_loop(BatchLoop.runner(prompt, width, target.tensors), prompt, options, constraint=compiled,
                      tokenizer=tokinfo, params=sampling_params(req.temperature, req.top_p, req.top_k, req.min_p),
-                     rng=np.random.default_rng(req.seed), draft_runner=draft, max_tokens=req.max_tokens,
+                     rng=np.random.default_rng(req.seed), draft_runner=row, max_tokens=req.max_tokens,
                      stop_token_ids=stop_ids(tokenizer, tokinfo))
 
 
@@ -172,24 +217,30 @@ def batch_generate(model, tokenizer, requests: Sequence[BatchRequest], *, k: int
     target = target if target is not None else MLXBatchTarget(model)
     if target.cache is not None:
         raise ValueError("the batch target must start empty")
-    batch = BatchLoop(target)
+    draft = MLXDraftBatch(draft_model) if draft_model is not None else None
+    batch = BatchLoop(target, draft)
     results: dict[int, object] = {}
     loops = {}
     for i, req in enumerate(requests):
         try:
-            loop = make_row(target, tokenizer, req, k=k, engine=engine, draft_model=draft_model)
+            loop = make_row(target, tokenizer, req, k=k, engine=engine, draft=draft, key=i)
         except Exception as e:  # a request that cannot start is answered with its error alone
             results[i] = e
+            if draft is not None:
+                draft.keep([j for j in loops])
             continue
         target.add(loop.prompt[:-1])
         batch.add(i, loop)
         loops[i] = loop
     if target.cache is not None:
         check_trimmable(target.cache, "target")
+    if draft is not None and draft.rows.cache is not None:
+        check_trimmable(draft.rows.cache, "draft model")
     for out in batch.run():
         for i, c in out:
             if isinstance(c, BaseException):
                 results[i] = c
             elif c.finish_reason is not None:
                 results[i] = loops[i].stats
+    target.draft_passes = draft.passes if draft is not None else 0
     return [(list(loops[i].emitted) if i in loops else [], results[i]) for i in range(len(requests))], target

@@ -28,7 +28,8 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
   first, then masked model rows; lazy masks; per-row bookkeeping) with ``Step``, ``Row``, ``Plan``,
   ``EnoughDrafts`` and the options ``refused_drafts_option`` / ``draft_confidence_option``; ``BatchLoop`` (batched
   speculative decoding: one ``SpeculativeLoop`` per request on a ``RowRunner``, one batched target pass per round,
-  each row verified by its own loop, per-row rollback);
+  each row verified by its own loop, per-row rollback), ``draft_rows`` with ``DraftRow`` / ``DraftPending`` (the rows'
+  draft models served by one batched draft pass per position);
 - what a host implements: ``ModelRunner`` (a model with a trimmable KV cache; ``HiddenStatesRunner``: one that also
   hands over its hidden states), ``TokenizerInfo``.
 """
@@ -36,8 +37,8 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
 from __future__ import annotations
 
 from .batch import (COUNTERS as BATCH_COUNTERS, DRAFT_CONFIDENCE, GREEDY_T, REFUSED_DRAFTS, BatchDrafter, BatchLoop,
-                    EnoughDrafts, Plan, RequestState, RequestTable, Row, RowRunner, Step, draft_confidence_option,
-                    refused_drafts_option)
+                    DraftPending, DraftRow, EnoughDrafts, Plan, RequestState, RequestTable, Row, RowRunner, Step,
+                    draft_confidence_option, draft_rows, refused_drafts_option)
 from .block import DraftBlock, Drafter, HiddenStatesRunner, ModelRunner, fill
 from .bounds import prepare_deadline
 from .compile_worker import POOL as COMPILE_POOL
@@ -65,7 +66,7 @@ from .tokenizer import TokenizerInfo
 from .verify import Verdict, verify_block
 
 __all__ = [
-    "BATCH_COUNTERS", "BatchDrafter", "BatchLoop", "RowRunner", "DRAFT_CONFIDENCE", "EnoughDrafts", "GREEDY_T", "HiddenStatesRunner", "Plan",
+    "BATCH_COUNTERS", "BatchDrafter", "BatchLoop", "RowRunner", "DraftRow", "DraftPending", "draft_rows", "DRAFT_CONFIDENCE", "EnoughDrafts", "GREEDY_T", "HiddenStatesRunner", "Plan",
     "REFUSED_DRAFTS", "RequestState", "RequestTable", "Row", "Step", "draft_confidence_option", "refused_drafts_option",
     "BudgetError", "COMPILE_POOL", "Checked", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
     "DraftBlock", "Drafter", "EmptyMaskError", "Forced", "GREEDY", "HistoryMatcher", "Host", "LIMITS", "LawBackend",

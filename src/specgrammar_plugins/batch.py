@@ -605,6 +605,115 @@ class RowRunner:
             self.dropped += n
 
 
+class DraftPending(Exception):
+    """A ``DraftRow`` was asked for logits its host has not computed yet (``draft_rows`` catches it)."""
+
+
+class DraftRow(RowRunner):
+    """The draft model as one row of a host's batched draft cache sees it (the runner of the row's
+    ``ModelDrafter``): the tokens the host's cache holds for the row; ``trim`` is counted and carried out by the host
+    before the row's next feed; ``forward`` returns the logits the host's batched draft pass computed for exactly
+    these tokens, else records them (``want``) and raises ``DraftPending``: the row's drafting waits at that position
+    for the next batched draft pass (``draft_rows``)."""
+
+    def __init__(self, tokens: Sequence[int], vocab_size: int, tensors: str | None = None):
+        super().__init__(tokens, vocab_size, tensors)
+        self.want: list[int] | None = None
+        self._ready = None  # (tokens, logits) from the host's pass
+        self._told = 0  # of ``dropped``, what the host was told to drop
+
+    def forward(self, tokens, logits_for=None):
+        tokens = [int(t) for t in tokens]
+        if logits_for != 1:
+            raise ValueError("a draft row hands over the logits of its last fed position only (logits_for=1)")
+        if self._ready is not None and self._ready[0] == tokens:
+            logits, self._ready = self._ready[1], None
+            self._tokens.extend(tokens)
+            return logits
+        self.want = tokens
+        raise DraftPending()
+
+    def ask(self) -> tuple[int, list[int]]:
+        """What the host's pass does for this row: (tokens to drop from the row's cache first, tokens to feed)."""
+        drop, self._told = self.dropped - self._told, self.dropped
+        return drop, list(self.want or ())
+
+    def give(self, logits) -> None:
+        """The host's logits [1, V] for the tokens the row asked for."""
+        self._ready, self.want = (self.want, logits), None
+
+
+def _waiting_drafter(loop):
+    """The row's drafter that drafts with a ``DraftRow`` (the one that can wait for a batched draft pass)."""
+    for d in getattr(loop.drafter, "drafters", None) or [loop.drafter]:
+        if isinstance(getattr(d, "runner", None), DraftRow):
+            return d
+    return None
+
+
+def _fill_row(loop, block: DraftBlock, resume=None) -> bool:
+    """Fill ``block`` with the row's chain, the waiting drafter first when ``resume`` (it waited inside the chain at
+    this position: the drafters before it proposed nothing here); True when the row waits for a draft pass."""
+    try:
+        if resume is not None and not block.done:
+            resume.extend(block, block.room)
+        if block.budget > 0:
+            fill(block, loop.drafter)
+    except DraftPending:
+        return True
+    return False
+
+
+def draft_rows(rows: Sequence[tuple[Any, Any]], draft: Callable[[dict], dict] | None = None) -> list:
+    """One round's drafts for every row ``(key, SpeculativeLoop)``, in step: each row's chain fills its block as
+    ``SpeculativeLoop._draft`` does, and a row whose draft model (a ``ModelDrafter`` over a ``DraftRow``) needs
+    logits waits at that position.  When every row waits or is done, ONE batched draft pass serves every waiting
+    row, ``draft({key: (drop, tokens)}) -> {key: logits [1, V]}`` (the host drops ``drop`` tokens from the row's
+    cache, feeds ``tokens`` and returns the logits of the last), and the rows go on from where they waited.  So a row
+    drafts exactly as it would alone (same chain, masks, law and random draws); only the draft passes are shared.
+    Returns per row its finished ``DraftBlock``, or the exception that failed its drafting (its own, or the draft
+    pass's for the rows that waited on it)."""
+    out: list = [None] * len(rows)
+    waiting: dict[int, DraftBlock] = {}
+
+    def go(i: int, block: DraftBlock, resume=None) -> None:
+        try:
+            if _fill_row(rows[i][1], block, resume):
+                if draft is None:
+                    raise RuntimeError("a row's draft model waits for a batched draft pass, but the host has none")
+                waiting[i] = block
+                return
+            block.finish()
+            out[i] = block
+        except Exception as e:
+            out[i] = e
+
+    for i, (_, loop) in enumerate(rows):
+        try:
+            block = loop._open()
+        except Exception as e:
+            out[i] = e
+            continue
+        go(i, block)
+    while waiting:
+        now, waiting = waiting, {}
+        runners = {i: _waiting_drafter(rows[i][1]) for i in now}
+        try:
+            logits = draft({rows[i][0]: runners[i].runner.ask() for i in now})
+        except Exception as e:  # the shared pass failed: the rows that waited on it fail, the others go on
+            for i in now:
+                out[i] = e
+            break
+        for i, block in now.items():
+            try:
+                runners[i].runner.give(logits[rows[i][0]])
+            except Exception as e:
+                out[i] = e
+                continue
+            go(i, block, runners[i])
+    return out
+
+
 class BatchLoop:
     """Batched speculative decoding: one ``SpeculativeLoop`` per request (its drafter chain, matcher, budget,
     sampling law and random stream, built by ``speculation.make_loop`` on a ``RowRunner``), and per round ONE
@@ -617,10 +726,12 @@ class BatchLoop:
     The host's ``target``: ``forward(feeds: list[list[int]]) -> list[logits rows]`` (row i: [len(feeds[i]), V]),
     ``rollback(kept: list[int])`` and ``remove(keep: list[int])`` (the batch rows that stay, in order), with its
     rows in the order of ``rows``; ``add`` is called after the host added the request's row, its cache holding
-    prompt[:-1]."""
+    prompt[:-1].  ``draft``: the host's batched draft pass for rows that draft with a draft model over a ``DraftRow``
+    (``draft_rows``; ``draft.keep(request ids)`` when rows leave), else None."""
 
-    def __init__(self, target):
+    def __init__(self, target, draft=None):
         self.target = target
+        self.draft = draft
         self.rows: list[tuple[Any, Any]] = []  # (request id, its SpeculativeLoop)
         self.passes = 0  # batched target passes
 
@@ -637,17 +748,13 @@ class BatchLoop:
     def step(self) -> list[tuple[Any, Any]]:
         """One round for every row: [(request id, its ``Commit``, or the exception that failed it)], in row order.
         Rows that finished or failed leave the batch (``target.remove``)."""
-        blocks: list = []
+        blocks = draft_rows(self.rows, self.draft)
         feeds: list[list[int]] = []
         out: list[tuple[Any, Any]] = []
-        for _, loop in self.rows:
-            try:
-                block = loop._draft()
-                feed = [loop.prompt[-1] if not loop.emitted else loop.emitted[-1], *block.tokens]
-            except Exception as e:  # this row's drafting failed: it is fed its pending token only, then leaves
-                block, feed = e, [loop.prompt[-1] if not loop.emitted else loop.emitted[-1]]
-            blocks.append(block)
-            feeds.append(feed)
+        for (_, loop), block in zip(self.rows, blocks):
+            pending = loop.prompt[-1] if not loop.emitted else loop.emitted[-1]
+            # a row whose drafting failed is fed its pending token only, then leaves
+            feeds.append([pending] if isinstance(block, BaseException) else [pending, *block.tokens])
         t_fwd = time.perf_counter_ns()
         logits = self.target.forward(feeds)
         self.passes += 1
@@ -675,6 +782,8 @@ class BatchLoop:
         if len(keep) < len(self.rows):
             self.target.remove(keep)
             self.rows = [self.rows[i] for i in keep]
+            if self.draft is not None:
+                self.draft.keep([req_id for req_id, _ in self.rows])
         return out
 
     def run(self):

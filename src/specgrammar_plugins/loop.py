@@ -164,16 +164,21 @@ class SpeculativeLoop:
         """A round's first half: the drafts of this round (masks filled once), finished for verification.  A host
         that verifies many requests in one batched target pass (``batch.BatchLoop``) calls it per request, then
         feeds [pending, *block.tokens] of every request at once and hands each its rows (``_judge``)."""
-        remaining = self.max_tokens - len(self.emitted)
-        budget = min(self.k, remaining - 1)
-        free = max(0, min(self.free_forced, remaining - 1 - budget))
-        block = DraftBlock([*self.prompt, *self.emitted], self.matcher, self.width, max(budget, 0),
-                           self.stop_token_ids, self.tilt_fn, prompt_len=len(self.prompt), free=free, law=self.law,
-                           fit=self.fit)
-        if budget > 0:
+        block = self._open()
+        if block.budget > 0:
             fill(block, self.drafter)
         block.finish()
         return block
+
+    def _open(self) -> DraftBlock:
+        """The round's empty draft block (``_draft`` fills and finishes it; ``batch.draft_rows`` fills many rows'
+        blocks in step, each waiting where its draft model needs the batched draft pass)."""
+        remaining = self.max_tokens - len(self.emitted)
+        budget = min(self.k, remaining - 1)
+        free = max(0, min(self.free_forced, remaining - 1 - budget))
+        return DraftBlock([*self.prompt, *self.emitted], self.matcher, self.width, max(budget, 0),
+                          self.stop_token_ids, self.tilt_fn, prompt_len=len(self.prompt), free=free, law=self.law,
+                          fit=self.fit)
 
     def _judge(self, block: DraftBlock, logits, t_fwd: int) -> Commit:
         """A round's second half: the target's logits of [pending, *block.tokens] (started at ``t_fwd``) -> verify
