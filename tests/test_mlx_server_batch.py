@@ -425,12 +425,92 @@ def test_speculative_rows_on_the_batching_path(tiny, monkeypatch):
     assert counting.calls < longest, (counting.calls, longest)  # prefill + one batched forward per round
 
 
+def test_speculative_rows_with_the_draft_model(tiny, monkeypatch):
+    """A server with a draft model (``generation_batch_class(draft)``, what the plugin answers then): the batched
+    rows of six workloads draft with it as our loop does, the rows' draft models in ONE batched draft forward per
+    draft position (``MLXDraftBatch``, several rows per pass), and each row's greedy output equals the same request
+    decoded alone (mlx-lm's ``generate_step`` with its processor: plain constrained decoding)."""
+    import importlib
+
+    from mlx_lm import load
+
+    from specgrammar_mlx_lm import batch_server, server_plugin
+
+    from test_mlx_common import plain_generate_step
+
+    model, tok = tiny
+    draft, _ = load(str(tiny_model_dirs()[1]))
+    provider = _provider(model, tok)
+    provider.draft_model = draft
+    monkeypatch.setitem(server_plugin._config, "batch_drafts", "on")
+    cls = server_plugin.generation_batch_class(provider)
+    assert cls.draft_model is draft and issubclass(cls, batch_server.generation_batch_class())
+    G = importlib.import_module("mlx_lm.generate")
+    monkeypatch.setattr(G, "GenerationBatch", cls)
+    asks = []
+    call = batch_server.MLXDraftBatch.__call__
+    monkeypatch.setattr(batch_server.MLXDraftBatch, "__call__", lambda self, a: asks.append(len(a)) or call(self, a))
+    rows = _rows(tok, 1)
+    procs = [[_Guard(_spec_processors(provider, _body(ex)))] for _, ex, _ in rows]
+    outs = _served(model, [p for _, _, p in rows], procs, set(tok.eos_token_ids))
+    assert all(p[0].error is None for p in procs)
+    for (w, ex, prompt), out in zip(rows, outs):
+        _, (alone,) = _processors(_provider(model, tok), _body(ex))
+        assert out == plain_generate_step(model, prompt, processor=alone, max_tokens=MAX_TOKENS,
+                                          eos_ids=set(tok.eos_token_ids)), w
+    assert asks and max(asks) > 1, asks  # the draft model drafted, for several rows in one pass
+
+
+def test_a_request_with_its_own_k_is_a_batched_row(tiny, monkeypatch):
+    """A constrained request with its own ``specgrammar.k`` (and drafters) is no longer sent to our serial loop:
+    ``is_batchable`` does not vote against batching, the ``stream_generate`` hook leaves it to the batching path,
+    and in the batch its row runs a loop with that k and those drafters (spied on ``make_loop``), its greedy output
+    equal to plain constrained decoding.  Without a constraint, a request asking for drafts still goes to our
+    loop."""
+    import importlib
+
+    from specgrammar_mlx_lm import batch_server, server_plugin
+    from specgrammar_plugins.workloads import examples
+
+    from test_mlx_common import plain_generate_step, prompt_ids
+
+    model, tok = tiny
+    provider = _provider(model, tok)
+    monkeypatch.setitem(server_plugin._config, "batch_drafts", "on")
+    G = importlib.import_module("mlx_lm.generate")
+    monkeypatch.setattr(G, "GenerationBatch", batch_server.generation_batch_class())
+    loops = []
+    make = batch_server.make_loop
+    monkeypatch.setattr(batch_server, "make_loop", lambda *a, **kw: loops.append(make(*a, **kw)) or loops[-1])
+    ex = examples("json_extraction", "eval", 1)[0]
+    body = {**_body(ex), "specgrammar": {"k": 1, "drafters": ["forced", "prompt"]}}
+    fields = server_plugin.request_fields(json.loads(json.dumps(body)), provider)
+    args = SimpleNamespace(plugin_fields=fields, max_tokens=MAX_TOKENS, num_draft_tokens=4,
+                           sampling=SimpleNamespace(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                                                    xtc_probability=0.0))
+    assert not fields["specgrammar"].loop and server_plugin.is_batchable(args, provider, 0) is None
+    assert server_plugin.stream_generate(model, tok, None, [], None, None, args, None, None, {}) is None
+    own = _Guard(server_plugin.logits_processors(args, tok, model))
+    other = _Guard(_spec_processors(provider, _body(ex)))
+    prompt = prompt_ids(tok, ex.prompt)
+    out, out_default = _served(model, [prompt, prompt], [[own], [other]], set(tok.eos_token_ids))
+    assert len(loops) == 2 and [lp.k for lp in loops] == [1, 4]
+    assert [d.name for d in loops[0].drafter.drafters] == ["forced", "prompt"] and loops[0].stats.rounds > 1
+    _, (alone,) = _processors(provider, _body(ex))
+    plain = plain_generate_step(model, prompt, processor=alone, max_tokens=MAX_TOKENS, eos_ids=set(tok.eos_token_ids))
+    assert out == plain and out_default == plain
+    free = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "specgrammar": {"k": 2}}
+    assert server_plugin.request_fields(free, provider)["specgrammar"].loop  # unconstrained drafting: our loop
+
+
 @pytest.mark.slow  # 9-15 s (300 rows in 5 batches, the exact law enumerated twice)
 def test_speculative_rows_keep_the_law_at_t1(tiny, monkeypatch, caplog):
-    """The batching path's speculative rows at T = 1 (first token: mlx-lm's sampler under the grammar processor;
-    then our loop's drafts, verified in batched forwards): 300 rows of the email grammar (``test_mlx_law``'s
-    ``email`` case: [a-d]{1,3}), in batches of 60, against the enumerated law of plain constrained sampling
-    (chi-square, fails below p = 1e-3); the same samples against the T = 0.7 law must fail."""
+    """The batching path's speculative rows at T = 1, drafting with the server's draft model (one batched draft
+    forward per position), verified in batched forwards: 300 rows of the email grammar (``test_mlx_law``'s
+    ``email`` case: [a-d]{1,3}), in batches of 60 (odd batches with one plain row more: there the rows' first token
+    is mlx-lm's sample under the grammar processor; else each row's loop feeds the prompt's last token with its
+    first drafts), against the enumerated law of plain constrained sampling (chi-square, fails below p = 1e-3); the
+    same samples against the T = 0.7 law must fail."""
     import importlib
 
     import mlx.core as mx
@@ -444,10 +524,18 @@ def test_speculative_rows_keep_the_law_at_t1(tiny, monkeypatch, caplog):
 
     from specgrammar_mlx_lm.batch_server import RowPlan
 
+    from mlx_lm import load
+
     model, tok = tiny
+    draft, _ = load(str(tiny_model_dirs()[1]))
     ids, compiled = law_case((model, None, tok), "email")
     G = importlib.import_module("mlx_lm.generate")
-    monkeypatch.setattr(G, "GenerationBatch", generation_batch_class())
+    monkeypatch.setattr(G, "GenerationBatch", generation_batch_class(draft))
+    from specgrammar_mlx_lm import batch_server
+
+    passes = []
+    call = batch_server.MLXDraftBatch.__call__
+    monkeypatch.setattr(batch_server.MLXDraftBatch, "__call__", lambda self, a: passes.append(len(a)) or call(self, a))
     eos = set(tok.eos_token_ids)
     mx.random.seed(0)
     caplog.set_level(logging.INFO, logger="specgrammar.mlx_lm")
@@ -458,11 +546,14 @@ def test_speculative_rows_keep_the_law_at_t1(tiny, monkeypatch, caplog):
             p = GrammarLogitsProcessor(compiled)
             p.batch_row = RowPlan(compiled, SpecOptions(k=4), SamplingParams(temperature=1.0), 8, seed=1000 * b + i)
             procs.append([_Guard([p])])
-        samples += map(tuple, _batched(model, [ids] * per, procs, eos, max_tokens=8, sampler=make_sampler(1.0)))
+        plain = [[]] * (b % 2)  # a plain row: the batch's first step is mlx-lm's
+        outs = _batched(model, [ids] * (per + len(plain)), procs + plain, eos, max_tokens=8, sampler=make_sampler(1.0))
+        samples += map(tuple, outs[:per])
     assert all(g.error is None for p in procs for g in p)
     rows = [tuple(map(int, m.groups())) for m in
             (re.search(r"batch: (\d+) tokens, (\d+) target passes", r.getMessage()) for r in caplog.records) if m]
     assert len(rows) == 300 and sum(t for t, _ in rows) > sum(p for _, p in rows) + 50  # drafts were accepted
+    assert passes and max(passes) > 1  # the rows' draft models, several rows per batched draft pass
     p1 = chi_square_p(samples, exact_law(model, ids, compiled, SamplingParams(temperature=1.0)))
     print(f"speculative rows, email T=1: chi-square p {p1:.3g}")
     assert p1 > P_FLOOR

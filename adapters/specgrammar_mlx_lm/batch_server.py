@@ -5,13 +5,19 @@ The patch lets a plugin name the ``GenerationBatch`` class the server's ``BatchG
 on``, the default).  It is mlx-lm's ``GenerationBatch`` with one change: ``next()``.
 
 - A constrained row (its only processor is our ``GrammarLogitsProcessor``, carrying the request's ``RowPlan``) is
-  a *speculative row*: its first token is sampled as mlx-lm samples it (the prompt's last token is fed by
-  ``GenerationBatch.__init__``, the grammar processor masks the row), then the row becomes a core
-  ``SpeculativeLoop`` on an ``api.RowRunner`` whose history holds that token.  Each ``next()`` drafts for every
-  speculative row (its own drafter chain, grammar, budget), feeds [pending, *drafts] of every row in ONE forward
-  of the target (rows padded on the right), and each row's loop verifies its own logits rows (``_judge``: the
-  serial loop's accept/residual law); each row's cache is rolled back alone (``batch.rollback_rows``).  A row
-  answers one response per committed token, in order.
+  a *speculative row*: a core ``SpeculativeLoop`` on an ``api.RowRunner`` with the request's options.  When every
+  row of a new prefill is speculative, ``GenerationBatch.__init__``'s first step is skipped (``_step``) and each
+  row's loop feeds the prompt's last token with its first drafts, as our serial loop does; in a mixed prefill the
+  row's first token is sampled as mlx-lm samples it (the grammar processor masks the row) and its loop starts with
+  that token in its history.  Each ``next()`` drafts for every
+  speculative row (its own drafter chain, grammar, budget, ``k``: ``api.draft_rows``), feeds [pending, *drafts] of
+  every row in ONE forward of the target (rows padded on the right), and each row's loop verifies its own logits
+  rows (``_judge``: the serial loop's accept/residual law); each row's cache is rolled back alone
+  (``batch.rollback_rows``).  A row answers one response per committed token, in order.
+- With the server's draft model (``generation_batch_class(draft_model)``), a row whose chain holds ``model`` drafts
+  with it as the serial loop does (masked by the row's grammar, its own draws), but the rows' draft models are
+  ONE batched draft forward per draft position over the rows that need the model there
+  (``batch.MLXDraftBatch``: the draft model's own ``BatchKVCache``, each row rolled back alone like the target's).
 - Every other row (no constraint, other processors, xtc) decodes exactly as ``GenerationBatch._step`` does, in the
   same forward (its feed is its one token); a batch with no speculative row is mlx-lm's own ``next()``, and so is a
   model whose cache layers are not all ``BatchKVCache`` (a rotating window, SSM layers: no per-row rollback).
@@ -27,9 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specgrammar_plugins.api import RowRunner, SpecOptions, make_loop
+from specgrammar_plugins.api import RowRunner, SpecOptions, draft_rows, make_loop
 
-from .batch import forward_rows, rollback_rows
+from .batch import MLXDraftBatch, forward_rows, rollback_rows
 
 log = logging.getLogger("specgrammar.mlx_lm")
 
@@ -46,13 +52,16 @@ class RowPlan:
 
 
 class _Row:
-    __slots__ = ("plan", "procs", "loop", "fresh", "pending", "done")
+    __slots__ = ("plan", "procs", "loop", "fresh", "pending", "done", "own_first")
 
-    def __init__(self, plan, procs):
+    def __init__(self, plan, procs, own_first=False):
         self.plan = plan  # RowPlan | None (a plain row)
         self.procs = procs  # the server's guarded processors (its ``error`` answers the request), or None
         self.loop = None
-        self.fresh = plan is not None  # its first token, sampled by mlx-lm, is not answered yet
+        self.fresh = plan is not None  # its loop is not started yet
+        # True: mlx-lm did not feed the prompt's last token (``_SpecMixin._step``): the row's loop starts with it
+        # pending, as our serial loop does; False: mlx-lm sampled the row's first token, not answered yet
+        self.own_first = own_first
         self.pending = None
         self.done = False
 
@@ -75,23 +84,68 @@ def _rollable(cache) -> bool:
     return all(type(c) is BatchKVCache for c in cache)
 
 
+def _draft_rollable(model) -> bool:
+    """Whether the draft model's cache layers are plain ``KVCache`` (merged: ``BatchKVCache``, rolled back per row);
+    else its rows draft without it."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    ok = getattr(model, "_specgrammar_rollable", None)
+    if ok is None:
+        ok = all(type(c) is KVCache for c in make_prompt_cache(model))
+        try:
+            model._specgrammar_rollable = ok
+        except AttributeError:
+            pass
+    return ok
+
+
 _CLASS = None
 
 
-def generation_batch_class():
-    """``SpecGenerationBatch``, built once over the ``mlx_lm.generate.GenerationBatch`` of this process."""
+def generation_batch_class(draft_model=None):
+    """``SpecGenerationBatch``, built once over the ``mlx_lm.generate.GenerationBatch`` of this process; with a draft
+    model, a subclass whose rows draft with it (one per call: the server builds its ``BatchGenerator`` once per
+    model it loads)."""
     global _CLASS
     if _CLASS is None:
         from mlx_lm.generate import GenerationBatch
 
         _CLASS = type("SpecGenerationBatch", (_SpecMixin, GenerationBatch), {"__doc__": __doc__})
-    return _CLASS
+    if draft_model is None:
+        return _CLASS
+    return type("SpecGenerationBatch", (_CLASS,), {"draft_model": draft_model})
 
 
 class _SpecMixin:
+    draft_model = None  # the server's draft model: rows whose chain holds "model" draft with it
+    _rows = None
+
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # feeds the prompts' last tokens and samples each row's first token
-        self._rows = [_Row(*_row_plan(p)) for p in (self.logits_processors or [[]] * len(self.uids))]
+        self._own_first = False
+        # feeds the prompts' last tokens and samples each row's first token (``_step``), unless every new row is a
+        # speculative row: then their loops feed it with their first drafts
+        super().__init__(*args, **kwargs)
+        self._rows = [_Row(*_row_plan(p), own_first=self._own_first)
+                      for p in (self.logits_processors or [[]] * len(self.uids))]
+        self._drafts = None  # MLXDraftBatch: the rows' draft models (made at the first row that drafts with it)
+
+    def _step(self):
+        """mlx-lm's step; at ``__init__`` (the new rows' first step: their prompts' last tokens fed, each row's first
+        token sampled) skipped when every new row is a speculative row over a cache that rolls back per row: each
+        row's loop then feeds the prompt's last token with its first drafts, as our serial loop does, instead of a
+        first token sampled alone without drafts (one more target pass per request)."""
+        if self._rows is None and self._all_speculative():
+            import mlx.core as mx
+
+            self._own_first = True
+            self._next_logprobs = [mx.zeros((self.model_width,)) for _ in self.uids]  # (no token sampled yet)
+            return None
+        return super()._step()
+
+    def _all_speculative(self) -> bool:
+        procs = self.logits_processors or []
+        return (len(procs) == len(self.uids) and all(_row_plan(p)[0] is not None for p in procs)
+                and _rollable(self.prompt_cache))
 
     # ------------------------------------------------------------------ keep the rows in step with the batch
     def extend(self, batch):
@@ -101,6 +155,8 @@ class _SpecMixin:
     def filter(self, keep):
         super().filter(keep)
         self._rows = [self._rows[i] for i in keep]
+        if self._drafts is not None:
+            self._drafts.keep(self._rows)
 
     # ------------------------------------------------------------------ one round
     def next(self):
@@ -119,18 +175,18 @@ class _SpecMixin:
         mx.eval(self._next_tokens, self._next_logprobs)
         cur = self._next_tokens.tolist()
         out: list = []  # (row, token, logprobs, finish)
+        for i, r in enumerate(self._rows):
+            if r.plan is not None and not r.done and r.fresh:
+                r.fresh = False
+                self._start(i, r, cur[i], out)
+        live = [i for i, r in enumerate(self._rows) if r.plan is not None and not r.done and r.loop is not None]
+        drafted = dict(zip(live, draft_rows([(self._rows[i], self._rows[i].loop) for i in live], self._drafts)))
         feeds, blocks = [], []
         for i, r in enumerate(self._rows):
-            block = None
-            if r.plan is not None and not r.done:
-                if r.fresh:
-                    r.fresh = False
-                    self._start(i, r, cur[i], out)
-                if r.loop is not None and not r.done:
-                    try:
-                        block = r.loop._draft()
-                    except Exception as e:
-                        self._fault(i, r, e, out)
+            block = drafted.get(i)
+            if isinstance(block, BaseException):
+                self._fault(i, r, block, out)
+                block = None
             blocks.append(block)
             if r.plan is None:
                 feeds.append([cur[i]])
@@ -172,29 +228,47 @@ class _SpecMixin:
         return self._responses(out)
 
     def _start(self, i, r, first, out):
-        """The row's first token (sampled by mlx-lm under the grammar processor) is answered, and its loop starts
-        with that token in its history; the cache holds the whole prompt."""
+        """The row's loop starts.  ``own_first``: ``first`` is the prompt's last token, pending (the cache holds the
+        prompt before it), as in our serial loop.  Else ``first`` is the row's first token (sampled by mlx-lm under
+        the grammar processor): it is answered, and the loop starts with it in its history (the cache holds the whole
+        prompt)."""
         p = r.plan
-        if r.procs is not None and getattr(r.procs, "error", None) is not None:
+        if not r.own_first and r.procs is not None and getattr(r.procs, "error", None) is not None:
             r.done = True  # its processor failed on the first token: the server answers the error
             out.append((i, first, self._next_logprobs[i], None))
             return
         try:
-            prompt = list(self.tokens[i])  # the cache holds the whole prompt
-            loop = make_loop(RowRunner(prompt, self.model_width, "mlx"), prompt, p.options, constraint=p.compiled,
-                             params=p.params, rng=np.random.default_rng(p.seed), max_tokens=self.max_tokens[i])
-            if loop.matcher is not None and not loop.matcher.accept(first):
-                raise RuntimeError(f"the first token {first} is outside the grammar")
-            loop.emitted.append(first)
-            loop.stats.emitted = 1
+            # own_first: the cache holds the prompt but its last token (``first``, pending); else the whole prompt
+            prompt = [*self.tokens[i], first] if r.own_first else list(self.tokens[i])
+            held = prompt[:-1] if r.own_first else prompt
+            loop = make_loop(RowRunner(held, self.model_width, "mlx"), prompt, p.options, constraint=p.compiled,
+                             params=p.params, rng=np.random.default_rng(p.seed), max_tokens=self.max_tokens[i],
+                             draft_runner=self._draft_row(r, held))
+            if not r.own_first:
+                if loop.matcher is not None and not loop.matcher.accept(first):
+                    raise RuntimeError(f"the first token {first} is outside the grammar")
+                loop.emitted.append(first)
+                loop.stats.emitted = 1
         except Exception as e:
             self._fault(i, r, e, out)
             return
         r.loop, r.pending = loop, first
+        if r.own_first:
+            return
         finish = None
         if first in loop.stop_token_ids or (loop.matcher is not None and loop.matcher.is_terminated()):
             finish = "stop"
         self._answer(i, r, first, self._next_logprobs[i], finish, out)
+
+    def _draft_row(self, r, prompt):
+        """The row's ``DraftRow`` in the batched draft cache (its prompt prefilled), when the server has a draft
+        model and the row's chain drafts with it; else None."""
+        o = r.plan.options
+        if self.draft_model is None or not o.k or "model" not in o.drafters or not _draft_rollable(self.draft_model):
+            return None
+        if self._drafts is None:
+            self._drafts = MLXDraftBatch(self.draft_model)
+        return self._drafts.add(r, prompt)
 
     @property
     def model_width(self) -> int:
@@ -222,9 +296,11 @@ class _SpecMixin:
         if finish is not None:
             r.done = True
             if r.loop is not None:
+                first = 0 if r.own_first else 1  # the pass that sampled the row's first token
                 st = r.loop.stats
                 log.info("specgrammar batch: %d tokens, %d target passes (%.2f tokens/pass), acceptance %.2f",
-                         st.emitted, st.target_passes + 1, st.emitted / (st.target_passes + 1), st.acceptance)
+                         st.emitted, st.target_passes + first, st.emitted / (st.target_passes + first),
+                         st.acceptance)
         return r.done
 
     def _fault(self, i, r, e, out):

@@ -18,13 +18,14 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
   (``_RowCut``: ``Budget.mask_row``, as on vLLM; mlx-lm's sampler cannot draw again), and the request's
   ``batch_server.RowPlan``.  The batching path decodes with ``batch_server.SpecGenerationBatch``
   (``generation_batch_class``; ``--specgrammar-batch-drafts on``, the default): after its first token each
-  constrained row drafts under its own grammar (forced, recipe, layout, prompt copy, suffix; ``k``: the request's,
-  ``--specgrammar-k``, else ``--num-draft-tokens``) and one batched forward verifies every row's drafts, each row by
-  our loop's exact law, its cache rolled back alone (``off``: one token per row per forward).  The patch runs each
-  batched request's processors guarded: a fault in one, or in a row's drafting or verdict, fails that request
-  (HTTP 500), the batch goes on.  A request whose ``specgrammar`` object asks for drafting (``k`` not 0) or for the
-  cost-aware options is served by our loop instead (``is_batchable`` False; forced-token, recipe, ... drafting,
-  and the draft model if loaded), one at a time.
+  constrained row drafts under its own grammar with its own options (``drafters``: forced, recipe, layout, prompt
+  copy, suffix; ``recipe``; ``k``: the request's, ``--specgrammar-k``, else ``--num-draft-tokens``) and one batched
+  forward verifies every row's drafts, each row by our loop's exact law, its cache rolled back alone (``off``: one
+  token per row per forward).  The patch runs each batched request's processors guarded: a fault in one, or in a
+  row's drafting or verdict, fails that request (HTTP 500), the batch goes on.  A request whose ``specgrammar``
+  object asks for the cost-aware options (``lambda``, ``adaptive``, ``budget``, ``trigger``), or for drafting
+  without a constraint, is served by our loop instead (``is_batchable`` False; ``RequestPlan.loop``), one at a
+  time.
 - with ``--draft-model`` a request served alone runs the core ``SpeculativeLoop`` (``stream_generate``):
   grammar-aware drafts, exact accept/residual verification, both caches left holding exactly prompt + yielded
   tokens.  This also routes around mlx-lm 0.32.2's prompt-cache off-by-one with a draft model (the stock loop
@@ -32,8 +33,9 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
   mlx-lm turns batching off when a draft model is loaded (``is_batchable = draft_model is None``, mlx-lm 0.32.2);
   the patch lets a plugin batch a request anyway (the target alone decodes it; its prompt caches are kept apart
   from the draft path's), and this plugin does so for a request that arrives while others wait or decode
-  (``--specgrammar-batch auto``, the default): concurrent requests are batched (speculative rows with the
-  model-free drafters: the draft model drafts only for a request served alone), a request alone gets the
+  (``--specgrammar-batch auto``, the default): concurrent requests are batched as speculative rows that draft
+  with the draft model as our loop does (forced, recipe, then the model under the row's grammar), the rows' draft
+  models in ONE batched draft forward per draft position (``batch.MLXDraftBatch``), a request alone gets the
   speculative loop.
 - compiles past ``SPECGRAMMAR_COMPILE_TIMEOUT_S`` are killed, not left running: the server sets
   ``compile_isolation="process"`` (``compile_worker``) unless ``SPECGRAMMAR_COMPILE_ISOLATION`` says otherwise.
@@ -79,15 +81,16 @@ class RequestPlan:
 
     @property
     def loop(self) -> bool:
-        """Whether the request needs our loop even without a draft model: it sent a ``specgrammar`` object asking
-        for drafting (``k`` not 0: forced tokens, recipes, ...) or for what only our loop does (the cost-aware
-        ``lambda`` / ``adaptive`` / ``budget``, a deferred ``trigger``).  Every other request (a constraint, with
-        its budget, and ``k: 0``, ``engine``, ``budget_mask``) is served by mlx-lm's own loops, batched, with the
-        grammar logits processor."""
+        """Whether the request needs our loop, served alone: its ``specgrammar`` object asks for what only our loop
+        does (the cost-aware ``lambda`` / ``adaptive`` / ``budget``, a deferred ``trigger``), or for drafting
+        (``k`` not 0) without a constraint (the batching path's speculative rows are its constrained rows).  A
+        constrained request's own drafting options (``k``, ``drafters``, ``recipe``, ``engine``, ``budget_mask``)
+        are honoured per row on the batching path (``batch_server.RowPlan``)."""
         o = self.options
         if not self.explicit:
             return False
-        return (o.k != 0 or o.lam is not None or o.adaptive or o.budget is not None or o.trigger is not None
+        return (o.lam is not None or o.adaptive or o.budget is not None or o.trigger is not None
+                or (self.spec is None and o.k != 0)
                 or (self.spec is not None and getattr(self.spec, "trigger", None) is not None))
 
 
@@ -105,11 +108,13 @@ def add_arguments(parser):
                         help="the model's context length in tokens (default: its config's max_position_embeddings)")
     parser.add_argument("--specgrammar-batch", choices=("auto", "never"), default="auto",
                         help="with --draft-model: auto (default) batches a request that arrives while others wait "
-                             "or decode, without drafts, and serves one alone with our speculative loop; never: "
+                             "or decode (a speculative row drafting with the draft model, one batched draft forward "
+                             "per position for all rows) and serves one alone with our speculative loop; never: "
                              "every request runs our loop, one at a time")
     parser.add_argument("--specgrammar-batch-drafts", choices=("on", "off"), default="on",
                         help="on (default): constrained requests on the batching path draft (forced tokens, "
-                             "recipes, prompt copy, suffix, layout) and one batched forward verifies every row's "
+                             "recipes, the draft model if loaded, else prompt copy, suffix, layout) and one batched "
+                             "forward verifies every row's "
                              "drafts (batch_server.SpecGenerationBatch); off: one token per row per forward, "
                              "mlx-lm's own batching with the grammar processor")
 
@@ -313,9 +318,10 @@ def is_batchable(args, model_provider, waiting):
     if plan is not None and plan.loop:
         return False  # the request asked for our loop (drafting, cost-aware options)
     if getattr(model_provider, "draft_model", None) is not None:
-        # mlx-lm turns batching off with a draft model.  A request alone is served by our speculative loop (its
-        # drafts); one that arrives while others wait or decode joins mlx-lm's batching path without drafts
-        # (one batched forward for all of them beats one speculative request at a time: docs/BENCHMARKS.md)
+        # mlx-lm turns batching off with a draft model.  A request alone is served by our speculative loop; one
+        # that arrives while others wait or decode joins the batching path as a speculative row that drafts with
+        # the draft model too (batched draft and target forwards for all of them beat one speculative request at a
+        # time: docs/BENCHMARKS.md)
         return _config["batch"] == "auto" and waiting > 0
     return None  # mlx-lm's batching path (without --draft-model), each row with its own processor
 
@@ -377,7 +383,7 @@ def generation_batch_class(model_provider):
         return None
     from .batch_server import generation_batch_class as cls
 
-    return cls()
+    return cls(getattr(model_provider, "draft_model", None))  # rows draft with the server's draft model
 
 
 # ---------------------------------------------------------------------------------------------- our loop

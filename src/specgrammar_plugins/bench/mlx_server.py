@@ -9,7 +9,8 @@ greedy, the budget on as by default) in six ways:
                            too: mlx-lm turns batching off with a draft model)
     draft-concurrent       the same server, all requests at once: the first is served alone by our loop, those that
                            arrive while others wait or decode join the batching path (``--specgrammar-batch auto``)
-                           as speculative rows (model-free drafts, one batched verification forward per round)
+                           as speculative rows drafting with the draft model as our loop does (one batched draft
+                           forward per draft position, one batched verification forward per round)
     spec-batch-concurrent  no draft model: the batching path with speculative rows (``SpecGenerationBatch``,
                            ``--specgrammar-batch-drafts on``, the default): every row drafts under its own grammar
                            (forced, recipe, layout, prompt copy, suffix), one batched forward verifies all rows
