@@ -198,17 +198,28 @@ def test_a_finished_request_teaches_the_suffix_index(tiny_tok):
     assert tokens == answer[4:4 + K] and set(sources) == {"suffix"}
 
 
-def test_the_memo_is_bounded_in_bytes(toy_tok, monkeypatch):
-    """Issue 33: the memo kept the compiled grammars of its last 256 keys however large; now within the compile
-    cache's bound in (engine-reported) bytes, the oldest dropped first."""
-    from types import SimpleNamespace
+def test_the_memo_keeps_a_compiled_constraint_only_while_something_else_does(toy_tok):
+    """Issue 33: the memo kept compiled grammars the compile cache had dropped (a 20,000-option choice, ~66 MB, in
+    vLLM's EngineCore after every cache was emptied).  Now a compiled constraint is held by weak reference: a hit
+    while the cache or a request holds it, compiled again once nothing does; other values (specs) are kept."""
+    import gc
 
-    from specgrammar_plugins.compiler import CACHE
+    class Compiled:  # (a value with memory_bytes, as CompiledConstraint)
+        memory_bytes = 40
 
-    monkeypatch.setattr(CACHE, "max_bytes", 100)
+    made = []
+
+    def make():
+        made.append(Compiled())
+        return made[-1]
+
     table = Table(toy_tok)
-    for i in range(5):
-        table.memo(("compiled", i), lambda: SimpleNamespace(memory_bytes=40))
-    assert list(table._memos) == [("compiled", 3), ("compiled", 4)] and table._memo_bytes == 80
-    table.memo(("spec", 0), lambda: "a spec")  # (no memory_bytes: counted as 0)
-    assert len(table._memos) == 3 and table._memo_bytes == 80
+    held = table.memo(("compiled", 0), make)
+    assert table.memo(("compiled", 0), make) is held and len(made) == 1  # held elsewhere: a hit
+    del held
+    made.clear()
+    gc.collect()
+    again = table.memo(("compiled", 0), make)
+    assert len(made) == 1 and again is made[0]  # nothing held it: made again
+    assert table.memo(("spec", 0), lambda: "a spec") == "a spec"
+    assert table.memo(("spec", 0), lambda: "made twice") == "a spec"  # (specs are kept)

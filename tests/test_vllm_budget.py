@@ -161,3 +161,17 @@ def test_the_launchers_gate_refuses_what_cannot_fit_with_a_400_naming_the_length
     # the same with room, or with the mask turned off, passes (and budget_mask is no longer refused)
     assert gate_body(json.dumps(dict(body, max_tokens=40)).encode()) is not None
     assert gate_body(json.dumps(dict(body, specgrammar={"budget_mask": False})).encode()) is not None
+
+
+def test_the_engines_compile_cache_takes_vllms_xgrammar_cache_bound(monkeypatch):
+    """Issue 33: in the EngineCore our compile cache kept up to 512 MB of grammars beside vLLM's own xgrammar cache
+    (the launcher's 64 MB); where vLLM compiles its grammars it now takes that bound when lower, never a higher one."""
+    from specgrammar_plugins.api import COMPILE_CACHE
+
+    monkeypatch.setattr(COMPILE_CACHE, "max_bytes", 512 << 20)
+    monkeypatch.setenv("VLLM_XGRAMMAR_CACHE_MB", "64")
+    budget_mask.bound_compile_cache()
+    assert COMPILE_CACHE.max_bytes == 64 << 20
+    monkeypatch.setenv("VLLM_XGRAMMAR_CACHE_MB", "1024")
+    budget_mask.bound_compile_cache()
+    assert COMPILE_CACHE.max_bytes == 64 << 20

@@ -291,6 +291,25 @@ def build(manager, request):
     return budget
 
 
+def bound_compile_cache() -> None:
+    """Where vLLM compiles its grammars (the EngineCore), our compile cache is bounded as vLLM's own xgrammar
+    cache is (``VLLM_XGRAMMAR_CACHE_MB``; the launcher sets 64 MB, which still holds a 20,000-option choice), when
+    that is lower: the engine compiles each structured request's constraint twice, vLLM's backend for its bitmask
+    and ours for the budget and the drafts, and ours kept up to ``SPECGRAMMAR_COMPILE_CACHE_MB`` (512 MB
+    engine-reported, ~1.5x that in RSS) of grammars vLLM's cache had long dropped (issue 33).  The API server's
+    gate, which vLLM's backend never runs in, keeps its own bound."""
+    from specgrammar_plugins.api import COMPILE_CACHE
+
+    try:
+        import vllm.envs as envs
+
+        limit = int(envs.VLLM_XGRAMMAR_CACHE_MB) << 20
+    except Exception:  # (an older vLLM without the setting: the cache keeps its bound)
+        return
+    if 0 < limit < COMPILE_CACHE.max_bytes:
+        COMPILE_CACHE.max_bytes = limit
+
+
 def wrap_create_grammar(cls) -> None:
     """``StructuredOutputManager._create_grammar`` (run in vLLM's compile thread pool) returns the grammar wrapped
     with the request's budget (idempotent).  Afterwards the memory vLLM's compile and the budget freed goes back to
@@ -303,6 +322,7 @@ def wrap_create_grammar(cls) -> None:
     def _create_grammar(self, request):
         from specgrammar_plugins.api import give_back_memory
 
+        bound_compile_cache()
         try:
             return _budgeted(self, request)
         finally:

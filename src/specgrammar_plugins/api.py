@@ -5,7 +5,7 @@ third party's) needs is named here; what is not named here is the core's own bus
 contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this module only.
 
 - request -> constraint and options: ``parse_request``, ``SpecOptions``; compiling: ``compile_constraint``
-  (cached), ``LIMITS``, ``COMPILE_POOL``;
+  (cached: ``COMPILE_CACHE``), ``LIMITS``, ``COMPILE_POOL``;
 - the one road to decoding: ``make_loop`` (hosts that let us own decoding), ``make_drafter`` + ``DraftBlock`` +
   ``fill`` (hosts that verify drafts themselves), ``with_defaults`` (merge host defaults into request options),
   ``check_budget`` / ``budget_of`` (a request's budget feasibility: ``BudgetError`` when it cannot end in time);
@@ -42,7 +42,7 @@ from .batch import (COUNTERS as BATCH_COUNTERS, DRAFT_CONFIDENCE, GREEDY_T, REFU
 from .block import DraftBlock, Drafter, HiddenStatesRunner, ModelRunner, fill
 from .bounds import prepare_deadline
 from .compile_worker import POOL as COMPILE_POOL
-from .compiler import LIMITS, compile_constraint
+from .compiler import CACHE as COMPILE_CACHE, LIMITS, compile_constraint
 from .constraint import CompiledConstraint, ConstraintSpec, Forced, Matcher
 from .distributions import GREEDY, SamplingParams, log_law
 from .gbnf import normalize_gbnf
@@ -68,7 +68,7 @@ from .verify import Verdict, verify_block
 __all__ = [
     "BATCH_COUNTERS", "BatchDrafter", "BatchLoop", "RowRunner", "DraftRow", "DraftPending", "draft_rows", "DRAFT_CONFIDENCE", "EnoughDrafts", "GREEDY_T", "HiddenStatesRunner", "Plan",
     "REFUSED_DRAFTS", "RequestState", "RequestTable", "Row", "Step", "draft_confidence_option", "refused_drafts_option",
-    "BudgetError", "COMPILE_POOL", "Checked", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
+    "BudgetError", "COMPILE_CACHE", "COMPILE_POOL", "Checked", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
     "DraftBlock", "Drafter", "EmptyMaskError", "Forced", "GREEDY", "HistoryMatcher", "Host", "LIMITS", "LawBackend",
     "MaskProcessor", "Matcher", "ModelNotInstalled", "ModelRunner", "RecipePackError", "RequestBoundary", "RequestError", "SamplingParams",
     "SpecGrammarError", "SpecOptions", "SpeculativeLoop", "Stats", "StopOnlyMask", "TokenizerInfo",
