@@ -106,6 +106,7 @@ SLOW_FILES = {
     "test_mlx_server.py",  # the patched mlx_lm.server, two servers
     "test_vllm_budget.py",  # a plain and a speculative vLLM engine
     "test_real_model.py", "test_real_model_vllm.py", "test_real_drafting.py", "test_real_draft.py",  # SmolLM2-135M through every host
+    "test_real_eagle.py",  # SmolLM2's EAGLE head against its draft (transformers, ~10 s)
 }
 # The files that build vLLM engines in the test process (vllm.LLM, the offline helpers): one xdist work unit (work_unit, below).
 # A process that has run them holds ~15 GB (vLLM does not give its engines' memory back); the rest of the suite
