@@ -588,6 +588,23 @@ def test_compile_cache_hit(engine, toy):
         assert a.memory_bytes > 0
 
 
+def test_an_entry_past_the_caches_bound_is_found_while_it_is_held(toy):
+    """Issue 33: vLLM's EngineCore bounds our cache as vLLM's own (64 MB from the launcher); a grammar past that
+    bound, compiled for a request's budget, must not be compiled again when the proposer looks it up in the engine's
+    step while the request holds it.  Once nothing holds it, it is gone (the bound holds)."""
+    import gc
+
+    cache = CompileCache(max_bytes=0)  # (every entry past the bound)
+    spec = ConstraintSpec.regex(r"[a-z]{2,4}")
+    a = compile_constraint(spec, toy, "dfa", cache=cache)
+    assert len(cache) == 0 and compile_constraint(spec, toy, "dfa", cache=cache) is a
+    assert (cache.hits, cache.misses) == (1, 1)
+    del a
+    gc.collect()
+    compile_constraint(spec, toy, "dfa", cache=cache)
+    assert cache.misses == 2
+
+
 def test_engine_tokenizer_objects_are_cached(toy):
     from specgrammar_plugins.engines import _common
 

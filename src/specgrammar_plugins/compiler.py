@@ -8,6 +8,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -24,12 +25,16 @@ CACHE_BYTES = int(os.environ.get("SPECGRAMMAR_COMPILE_CACHE_MB", "512")) << 20
 
 class CompileCache:
     """LRU of compiled constraints keyed by (spec, tokenizer fingerprint, width, engine, options), bounded in
-    entries and in (engine-reported) bytes."""
+    entries and in (engine-reported) bytes.  An entry past the bound is still found while something else holds it
+    (a live request's matcher or budget: ``_alive``, weak references), so a bound below one grammar never compiles
+    it twice for one request (issue 33: vLLM's EngineCore compiles a request's constraint in its grammar thread for
+    the budget, and the proposer looks it up again in the engine's step)."""
 
     def __init__(self, max_entries: int = 256, max_bytes: int | None = None):
         self.max_entries = max_entries
         self.max_bytes = CACHE_BYTES if max_bytes is None else max_bytes
         self._items: OrderedDict[tuple, CompiledConstraint] = OrderedDict()
+        self._alive: "weakref.WeakValueDictionary[tuple, CompiledConstraint]" = weakref.WeakValueDictionary()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -41,6 +46,8 @@ class CompileCache:
             if item is not None:
                 self._items.move_to_end(key)
                 self.hits += 1
+            elif (item := self._alive.get(key)) is not None:  # evicted, but still held elsewhere
+                self.hits += 1
             else:
                 self.misses += 1
             return item
@@ -51,6 +58,7 @@ class CompileCache:
             if old is not None:
                 self._bytes -= old.memory_bytes
             self._items[key] = item
+            self._alive[key] = item
             self._bytes += item.memory_bytes
             while self._items and (len(self._items) > self.max_entries or self._bytes > self.max_bytes):
                 _, ev = self._items.popitem(last=False)
@@ -59,6 +67,7 @@ class CompileCache:
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+            self._alive.clear()
             self._bytes = 0
 
     def __len__(self) -> int:
