@@ -439,10 +439,18 @@ STORM = {  # the costly kinds of issue 33, sent at once: (fields of a chat reque
 }
 
 
+WALL_S = 30.0  # bounds.BOUNDS.wall_s(): the deadline's wall-clock backstop
+# a valid costly body (issue 33): ~4 s of CPU to compile and certify; on the mlx-lm server only (vLLM's probe,
+# tests/test_hostile_vllm.py, sends it alone and bounds its memory there)
+CHOICES = [f"opción-{i}" for i in range(20000)]
+
+
 def test_a_storm_of_hostile_bodies_beside_an_ordinary_request(host):
     """Issue 33: the costly hostile kinds (a huge regex, deep nesting, memory bombs, non-ASCII text) sent all at
     once with an ordinary constrained request: every hostile one a 4xx naming its reason, the ordinary one a valid
-    200, all within the deadline + 1 s; ``/health`` under 1 s throughout; no 5xx; the server alive and serving."""
+    200, all within the deadline + 1 s; ``/health`` under 1 s throughout; no 5xx; the server alive and serving.  On
+    the mlx-lm server a valid costly body goes with them (a 20,000-option choice): a valid 200, or a 400 naming the
+    preparation deadline, within the wall-clock backstop + 1 s; the RSS bound covers it."""
     import threading
 
     replies: dict[str, Reply] = {}
@@ -454,6 +462,8 @@ def test_a_storm_of_hostile_bodies_beside_an_ordinary_request(host):
     rss_before = server_rss_mb(host.launched.pid)
     jobs = [threading.Thread(target=send, args=(name, fields)) for name, (fields, _) in STORM.items()]
     jobs.append(threading.Thread(target=send, args=("ordinary", {"structured_outputs": {"regex": YEAR}})))
+    if host.kind == "mlx":
+        jobs.append(threading.Thread(target=send, args=("choice-20000", {"choice": CHOICES, "max_tokens": 24})))
     for job in jobs:
         job.start()
     health = []
@@ -472,11 +482,18 @@ def test_a_storm_of_hostile_bodies_beside_an_ordinary_request(host):
         assert not INTERNALS.search(r.message), (name, r.message)
     ordinary = replies["ordinary"]
     assert ordinary.status == 200 and re.fullmatch(YEAR, ordinary.content), (ordinary.status, ordinary.body)
+    costly = replies.pop("choice-20000", None)
+    if costly is not None:
+        assert (costly.status == 200 and re.fullmatch(r"opción-\d+", costly.content)) or (
+            costly.status == 400 and "preparation time limit" in costly.message), (costly.status, costly.body)
+        assert costly.seconds < WALL_S + 1.0, costly.seconds
     slowest = max(replies.values(), key=lambda r: r.seconds)
     assert slowest.seconds < DEADLINE_S + 1.0, {n: round(r.seconds, 2) for n, r in replies.items()}
     assert health and max(health) < 1.0, health
     rss_after = server_rss_mb(host.launched.pid)
     assert rss_after - rss_before < RSS_SLACK_MB, (rss_before, rss_after)
+    if costly is not None:
+        print(f"\nstorm, {host.kind}: the 20,000-option choice: {costly.status} in {costly.seconds:.2f} s")
     print(f"\nstorm, {host.kind}: {len(replies)} requests, slowest answer {slowest.seconds:.2f} s, "
           f"{len(health)} health checks, slowest {max(health):.2f} s, server RSS {rss_before:.0f} -> "
           f"{rss_after:.0f} MB")
