@@ -283,8 +283,9 @@ class GrammarDrafting:
         out: list = [None] * len(items)
         rest = list(range(len(items)))
         if logits.device.type == "cpu" and self._vocab > CPU_KERNEL_MAX_VOCAB:
+            host = _numpy_view(logits)
             for n, (i, row) in enumerate(items):
-                out[n] = self._allowed_argmax(logits, i, row)
+                out[n] = self._allowed_argmax(logits, i, row, host)
             rest = [n for n, t in enumerate(out) if t is None]
         if rest:  # the kernel (the one vLLM's structured outputs mask the target with) on those rows
             bm = self._bitmask_np
@@ -297,11 +298,12 @@ class GrammarDrafting:
                 out[n] = t
         return out
 
-    def _allowed_argmax(self, logits, i: int, row: np.ndarray) -> int | None:
+    def _allowed_argmax(self, logits, i: int, row: np.ndarray, host=None) -> int | None:
         """On a CPU: the masked argmax of row ``i`` taken over its allowed ids alone (ascending, so the first
         maximum is the kernel's; ids past the vocabulary, which the kernel leaves unmasked, included): at 151,936
         tokens ~7x cheaper than the kernel on the row.  None where the kernel must decide: no allowed id, or none
-        with a logit above -inf."""
+        with a logit above -inf.  ``host``: the logits as numpy sees them (``_numpy_view``), gathered and compared
+        there (a torch op per row costs more than its few hundred elements), else torch's."""
         vocab = self._vocab
         ids = allowed_ids(row, vocab)
         width = logits.shape[-1]
@@ -309,6 +311,12 @@ class GrammarDrafting:
             ids = np.concatenate([ids, np.arange(vocab, width)])
         if not len(ids):
             return None
+        if host is not None:
+            vals = host[0][i, ids]
+            if host[1]:  # bfloat16 bits -> float32, exact
+                vals = (vals.astype(np.uint32) << 16).view(np.float32)
+            j = int(np.argmax(vals))  # (numpy's argmax, as torch's, takes the first NaN as the maximum)
+            return None if vals[j] == float("-inf") else int(ids[j])
         vals = logits[i].index_select(0, torch.from_numpy(ids))
         j = int(vals.argmax())  # (a NaN is the maximum here as after the kernel: the first allowed NaN either way)
         if float(vals[j]) == float("-inf"):  # every allowed logit -inf: the masked row's argmax is the row's first id
@@ -421,6 +429,19 @@ def _probability_of(logits, rows: list[int], tokens: list[int], temperatures: li
     scaled.div_(torch.tensor(temperatures, dtype=scaled.dtype).view(-1, 1).to(device, non_blocking=True))
     tok = torch.tensor(tokens, dtype=torch.int64).view(-1, 1).to(device, non_blocking=True)
     return dict(zip(rows, torch.log_softmax(scaled, dim=-1).gather(1, tok).view(-1).exp().tolist()))
+
+
+def _numpy_view(logits):
+    """CPU logits as numpy sees them, without a copy: (array, is bfloat16), a bfloat16 tensor as its raw uint16 bits
+    (numpy has no bfloat16); None where numpy cannot view it (another dtype)."""
+    try:
+        if logits.dtype == torch.bfloat16:
+            return logits.detach().view(torch.int16).numpy().view(np.uint16), True
+        if logits.dtype in (torch.float32, torch.float16, torch.float64):
+            return logits.detach().numpy(), False
+    except (RuntimeError, TypeError):
+        pass
+    return None
 
 
 def _until_negative(row):

@@ -84,7 +84,7 @@ def draft_confidence_option(opts: dict) -> float | None:
 
 # ---------------------------------------------------------------------------------------------- per request
 class RequestState:
-    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "grammar", "draws", "prompt")
+    __slots__ = ("history", "drafter", "prompt_len", "stop_ids", "pending", "grammar", "draws", "prompt", "stop_set")
 
     def __init__(self, history: HistoryMatcher | None, drafter, prompt_len: int, stop_ids: tuple[int, ...],
                  grammar: bool = True, draws=None):
@@ -92,6 +92,7 @@ class RequestState:
         self.drafter = drafter  # the host chain (forced, recipe), or None
         self.prompt_len = prompt_len
         self.stop_ids = stop_ids
+        self.stop_set = frozenset(stop_ids)  # (each step's draft block takes it as it is)
         self.pending = 0  # drafts proposed at the last step, outcome not yet seen
         self.grammar = grammar  # the request has a constraint (False: unconstrained)
         # its drafters' random draws (the host's: ``at(position)`` restarts them at each step, so that they are a
@@ -193,7 +194,7 @@ class RequestTable:
         # the history's own matcher, not a fork (O(tokens so far) on xgrammar): the next sync rolls back the drafts
         # the host did not commit; lazy: a position's mask is filled only where something reads it
         # prompt_len: the drafters that tell the prompt from the output (prompt copy, layout, copy recipes) read it
-        return DraftBlock(context[:n], st.history.draft(), self.vocab_size, budget, st.stop_ids, prompt_len=p,
+        return DraftBlock(context[:n], st.history.draft(), self.vocab_size, budget, st.stop_set, prompt_len=p,
                           lazy=True)
 
     def record(self, st: RequestState, req_id: str, tokens: Sequence[int], sources: Sequence[str]) -> None:

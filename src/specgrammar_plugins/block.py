@@ -84,7 +84,8 @@ class DraftBlock:
         self.budget = budget
         self.capacity = budget + (free if matcher is not None and budget > 0 else 0)
         self.n_free = 0  # forced drafts pushed beyond the budget's count
-        self.stop_token_ids = frozenset(stop_token_ids)
+        # (a host that builds a block per request per step passes its frozenset, kept as it is)
+        self.stop_token_ids = stop_token_ids if isinstance(stop_token_ids, frozenset) else frozenset(stop_token_ids)
         self.tilt_fn = tilt_fn
         self.tokens: list[int] = []
         self.laws: list[np.ndarray | None] = []
@@ -116,7 +117,8 @@ class DraftBlock:
     @property
     def room(self) -> int:
         """Drafts that may still be pushed (forced tokens within ``free`` do not use it up)."""
-        return max(0, min(self.budget - (len(self.tokens) - self.n_free), self.capacity - len(self.tokens)))
+        n = len(self.tokens)
+        return max(0, min(self.budget - n + self.n_free, self.capacity - n))
 
     @property
     def done(self) -> bool:
@@ -199,7 +201,8 @@ class DraftBlock:
         if self.done:
             return False
         token = int(token)
-        if self.lazy and check and not self.dead and len(self.masks) == len(self.tokens):
+        tokens = self.tokens
+        if self.lazy and check and not self.dead and len(self.masks) == len(tokens):
             # a lazy block's position whose mask nobody read: the matcher's own accept is the check
             if not self.matcher.accept(token):
                 return False
@@ -217,7 +220,7 @@ class DraftBlock:
                     self.dead = True
         if source == "forced" and self.n_free < self.capacity - self.budget:
             self.n_free += 1  # the grammar's own token: it leaves the budget to drafts that may be rejected
-        self.tokens.append(token)
+        tokens.append(token)
         self.laws.append(law)
         self.sources.append(source)
         if token in self.stop_token_ids and not self.dead:  # (a blind drafter goes on past a stop it had no right to)

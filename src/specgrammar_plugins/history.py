@@ -34,6 +34,7 @@ class HistoryMatcher:
         self.synced = 0
         self._row = new_mask(self.vocab_size)
         self._free = None
+        self._view: DraftView | None = None
 
     def sync(self, generated: Sequence[int]) -> bool:
         """Bring the matcher to ``generated``; False if the history holds a token the grammar rejects (the matcher
@@ -77,8 +78,11 @@ class HistoryMatcher:
         """This history's own matcher for one round of drafts (a ``DraftBlock``'s), instead of a fork: every token
         it accepts is appended to ``fed``, so the next ``sync`` keeps the drafts the host committed and rolls back
         the rest.  A fork costs O(tokens so far) on xgrammar (it copies the matcher's whole token history: ~0.3 us
-        a token), and the committed drafts are not fed a second time."""
-        return DraftView(self)
+        a token), and the committed drafts are not fed a second time.  One view per history, made once (it holds
+        no state of a round: a batch host asks for it per request at every step)."""
+        if self._view is None:
+            self._view = DraftView(self)
+        return self._view
 
     def mask_for(self, generated: Sequence[int]) -> tuple[np.ndarray, bool]:
         """(packed mask for the position after ``generated``, history valid?).  For an invalid history (a
@@ -103,12 +107,14 @@ class DraftView:
     ``fed`` list; every other method is the matcher's own (bound once: a block asks at every position).  Drafts are
     tokens, so ``accept_bytes`` is refused (bytes merged into a position would not be in ``fed``)."""
 
-    __slots__ = ("_m", "_h", "_fed", "vocab_size", "fill_mask", "is_terminated", "forced", "jump_forward", "fork")
+    __slots__ = ("_m", "_h", "_fed", "_accept", "vocab_size", "fill_mask", "is_terminated", "forced", "jump_forward",
+                 "fork")
 
     def __init__(self, history: HistoryMatcher):
         m = self._m = history.matcher
         self._h = history
         self._fed = history.fed
+        self._accept = m.accept
         self.vocab_size = history.vocab_size
         self.fill_mask = m.fill_mask
         self.is_terminated = m.is_terminated
@@ -117,7 +123,7 @@ class DraftView:
         self.fork = m.fork
 
     def accept(self, token: int) -> bool:
-        if not self._m.accept(token):
+        if not self._accept(token):
             return False
         self._fed.append(int(token))
         return True

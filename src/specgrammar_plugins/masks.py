@@ -56,8 +56,16 @@ def set_bit(mask: np.ndarray, token: int) -> None:
 
 
 def allowed_ids(mask: np.ndarray, vocab_size: int | None = None) -> np.ndarray:
-    bits = unpack_mask(mask, vocab_size or mask.shape[-1] * 32)
-    return np.flatnonzero(bits)
+    """The ids a packed row allows, ascending (below ``vocab_size``).  A sparse row (at most 1/8 of its words
+    nonzero: a structural position) has only its nonzero words unpacked: ~4x cheaper at 151,936 tokens."""
+    vocab_size = vocab_size or mask.shape[-1] * 32
+    if mask.ndim == 1 and np.count_nonzero(mask) * 8 <= mask.shape[0]:
+        words = np.flatnonzero(mask != 0)  # (numpy's nonzero is much faster on bools than on int32 words)
+        bits = np.flatnonzero(np.unpackbits(np.ascontiguousarray(mask[words]).view(np.uint8),
+                                            bitorder="little").view(bool))
+        ids = words[bits >> 5] * 32 + (bits & 31)
+        return ids[ids < vocab_size] if len(ids) and ids[-1] >= vocab_size else ids
+    return np.flatnonzero(unpack_mask(mask, vocab_size))
 
 
 def full_mask(vocab_size: int, exclude: Iterable[int] = ()) -> np.ndarray:

@@ -196,21 +196,28 @@ class XGrammarMatcher:
         return data[-1] == 0xED if data else self.ed[-1]
 
     def accept(self, token: int) -> bool:
-        if self.book.terminated or not (0 <= token < len(self.tok.token_bytes)):
+        # (called once per draft position per request by a batch host: attributes read once, the book's own
+        # push and _ends_in_ed written out)
+        book = self.book
+        tok = self.tok
+        data = tok.token_bytes
+        if book.stop_at is not None or not (0 <= token < len(data)):
             return False
-        if not self.tok.token_bytes[token] and token not in self.tok.stop_token_ids:
+        data = data[token]
+        if not data and token not in tok.stop_token_ids:
             # a special token: never in the grammar's language.  xgrammar 0.2.8 would refuse it too, but writes a
             # warning to stderr for each ("GrammarMatcher cannot accept special token id ..."), ~10 us; a draft
             # model's argmax offered to a lazy draft block (vLLM) may be one at any position
             return False
-        if self.ed[-1] and 0xA0 <= (self.tok.token_bytes[token][:1] or b"\0")[0] <= 0xBF:
+        ed = self.ed
+        if ed[-1] and 0xA0 <= (data[:1] or b"\0")[0] <= 0xBF:
             return False  # a surrogate (see _NO_SURROGATE)
         if not self.gm.accept_token(token):
             return False
-        self.ed.append(self._ends_in_ed(self.tok.token_bytes[token]))
-        self.book.push(1)
-        if token in self.tok.stop_token_ids:
-            self.book.stop_at = len(self.book) - 1
+        ed.append(data[-1] == 0xED if data else ed[-1])
+        book.steps.append(1)
+        if token in tok.stop_token_ids:
+            book.stop_at = len(book.steps) - 1
         return True
 
     def accept_bytes(self, data: bytes) -> bool:
@@ -239,7 +246,7 @@ class XGrammarMatcher:
         return XGrammarMatcher(self.compiled, self.gm.fork(), self.book.copy(), list(self.ed))
 
     def is_terminated(self) -> bool:
-        return self.book.terminated
+        return self.book.stop_at is not None  # (StepBook.terminated, one call less: asked at every position)
 
     def forced(self) -> Forced:
         if self.book.terminated:
@@ -254,10 +261,11 @@ class XGrammarMatcher:
         # xgrammar 0.2.8 has no capped call: find_jump_forward_string builds the whole forced string.  What bounds
         # it is the constraint, checked before compiling (bounds.check_cost: counts, expansions and a GBNF
         # grammar's forced length, at most LIMITS.max_forced_bytes); the result is cut at the caller's limit.
-        if self.book.terminated:
+        if self.book.stop_at is not None:
             return b""
         try:
-            return self.gm.find_jump_forward_string().encode("utf-8")[: forced_cap(limit)]
+            text = self.gm.find_jump_forward_string()
+            return text.encode("utf-8")[: forced_cap(limit)] if text else b""  # (mostly nothing forced)
         except UnicodeDecodeError:
             # xgrammar 0.2.8 returns the jump-forward string as a Python str, and raises when the forced bytes end
             # inside a UTF-8 sequence (a choice of "👍"/"👎" forces F0 9F 91 and then branches): no jump-forward
