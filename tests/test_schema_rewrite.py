@@ -10,7 +10,7 @@ import pytest
 from conftest import needs_shared_data
 from schema_instances import instances, oracle
 from specgrammar_plugins import ConstraintError, ConstraintSpec, compile_constraint
-from specgrammar_plugins.schema import walk
+from specgrammar_plugins.schema import ENFORCED, walk
 from specgrammar_plugins.schema_rewrite import rewrite
 
 # (name, schema, the keyword whose rewrite is expected, the original's draft or None for its own/2020-12, seeds)
@@ -279,3 +279,38 @@ def test_step_triggers_change_nothing(monkeypatch):
             assert [str(r) for r in fast.rewrites] == [str(r) for r in slow.rewrites], f.name
             compared += bool(slow.rewrites)
     assert compared > 500
+
+
+def test_int64_bounds_narrowed_to_doubles_for_llguidance(toy_tok):
+    """Issue 33: int64 bounds, which llguidance 1.7.6 holds exactly only as doubles (-2^63 does not compile; 2^63-1
+    would be read as 2^63), are narrowed to +-(2^63-1024) for it: compiled by llguidance itself (no fallback),
+    stricter by at most 1,024 integers at each end, never looser."""
+    from specgrammar_plugins.bench.coverage import accepts
+
+    big = 2 ** 63
+    for schema in ({"type": "integer", "minimum": -big, "maximum": big - 1}, {"type": "integer", "format": "int64"},
+                   {"type": "integer", "exclusiveMinimum": -big - 1, "exclusiveMaximum": big}):
+        c = compile_constraint(ConstraintSpec.json_schema(schema), toy_tok, engine="auto", cache=None)
+        assert c.engine == "llguidance"
+        assert json.loads(c.spec.value)["maximum"] == big - 1024 and json.loads(c.spec.value)["minimum"] == -big + 1024
+        assert any("narrowed to a double" in str(r) for r in c.rewrites)
+        for n, ok in ((0, True), (-big + 1024, True), (big - 1024, True), (-big + 1023, False), (big - 1023, False),
+                      (big, False), (-big - 1, False)):
+            assert accepts(c, toy_tok, str(n)) is ok, (schema, n)
+    assert rewrite({"type": "integer", "maximum": big - 1}).schema["maximum"] == big - 1  # other engines: as given
+    # where no narrowing of at most 1,024 integers fits, for "number" (compared as a double), or where a stricter
+    # part could loosen the whole (under not, if, oneOf, ...): not narrowed, still refused
+    for schema in ({"type": "integer", "maximum": 2 ** 64 - 1}, {"type": "number", "maximum": big - 1},
+                   {"type": "integer", "not": {"type": "integer", "maximum": big - 1}}):
+        assert not any("narrowed" in str(r) for r in rewrite(schema, narrow_bounds=True).rewrites)
+        with pytest.raises(ConstraintError, match="past 2\\^53" if "not" not in schema else "'not' at /not"):
+            compile_constraint(ConstraintSpec.json_schema(schema), toy_tok, engine="llguidance", cache=None)
+
+
+def test_bounds_within_2_53_are_not_narrowed():
+    for schema in ({"type": "integer", "minimum": -(2 ** 53), "maximum": 2 ** 53},
+                   {"type": "integer", "exclusiveMinimum": -5, "exclusiveMaximum": 2 ** 53 - 1},
+                   {"type": "integer", "format": "int32"}):
+        with_narrowing = rewrite(schema, ENFORCED["llguidance"], narrow_bounds=True)
+        assert with_narrowing.schema == rewrite(schema, ENFORCED["llguidance"]).schema
+        assert not any("narrowed" in str(r) for r in with_narrowing.rewrites)

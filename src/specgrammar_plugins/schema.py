@@ -16,6 +16,7 @@ and ``tests/test_schema_coverage.py`` runs the JSON-Schema-Test-Suite and a Mask
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -132,8 +133,11 @@ NO_FALSE_PROPERTIES = frozenset({"outlines_core", "xgrammar"})
 UNLISTED_REQUIRED = frozenset({"xgrammar", "outlines_core"})
 # llguidance 1.7.6 reads numeric bounds as doubles: {"type": "integer", "maximum": 4611686018427387903} (2^62 - 1, no
 # double) took 2^62, "minimum": -4611686018427387903 took -2^62, and even "exclusiveMaximum": 2^62 (a double) took
-# 2^62 (invalid instances accepted): a bound past 2^53, where doubles skip integers, is refused for it
-_DOUBLE_BOUNDS = frozenset({"llguidance"})
+# 2^62 (invalid instances accepted): a bound past 2^53, where doubles skip integers, is refused for it, except an
+# inclusive bound on an integer-only type that is itself a double within +-(2^63-1024), which it holds exactly
+# (probed: ``maximum`` 2^63-1024 takes it and refuses 2^63-1023; not so for "number": it took 2^63-1023).
+# ``schema_rewrite``'s ``narrow_bounds`` narrows the other integer bounds to such doubles for it (stricter)
+DOUBLE_BOUNDS = _DOUBLE_BOUNDS = frozenset({"llguidance"})
 _BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 LIST_REQUIRED = frozenset({"xgrammar"})  # not outlines-core: its regex for {} (any value) compiles past 30 s
 # keyword -> siblings beside which the engine ignores it (xgrammar 0.2.8 logs "pattern combined with
@@ -142,8 +146,15 @@ LIST_REQUIRED = frozenset({"xgrammar"})  # not outlines-core: its regex for {} (
 _IGNORED_BESIDE = {"xgrammar": {"minLength": ("pattern",), "maxLength": ("pattern",)}}
 
 
-def _past_doubles(val: Any) -> bool:
-    return isinstance(val, (int, float)) and not isinstance(val, bool) and abs(val) > 2 ** 53
+def _past_doubles(val: Any, kw: str = "", owner: dict | None = None) -> bool:
+    """A bound past 2^53 that an engine reading bounds as doubles does not hold exactly (see _DOUBLE_BOUNDS)."""
+    if not isinstance(val, (int, float)) or isinstance(val, bool) or abs(val) <= 2 ** 53:
+        return False
+    t = (owner or {}).get("type")
+    types = set(t) if isinstance(t, list) else {t}
+    integer_only = "integer" in types and "number" not in types
+    exact = math.isfinite(val) and val == int(val) and float(int(val)) == int(val) and abs(val) <= 2 ** 63 - 1024
+    return not (kw in ("minimum", "maximum") and integer_only and exact)
 
 
 def _unlisted(owner: dict, val: Any) -> bool:
@@ -183,7 +194,7 @@ def check_schema(schema: Any, engine: str, origins: dict[int, str] | None = None
         if kw == "properties" and engine in NO_FALSE_PROPERTIES and isinstance(val, dict) and False in val.values():
             rep.unsupported.append(("properties (a property that must be absent: false)", ptr))
             continue
-        if kw in _BOUNDS and engine in _DOUBLE_BOUNDS and _past_doubles(val):
+        if kw in _BOUNDS and engine in _DOUBLE_BOUNDS and _past_doubles(val, kw, owner):
             rep.unsupported.append((f"{kw} ({val}: past 2^53, where llguidance's doubles skip integers)", ptr))
             continue
         if kw == "required" and engine in UNLISTED_REQUIRED and _unlisted(owner, val):

@@ -1,10 +1,11 @@
 """Exact JSON Schema rewrites, applied before an engine compiles a schema: keywords no engine enforces, turned
 into equivalent forms the engines do enforce.
 
-Every rewrite here is exact (the rewritten schema accepts exactly the instances the original accepts; held
-against ``jsonschema`` on generated valid and invalid instances in ``tests/test_schema_rewrite.py``), and every
-one is reported (``Rewrite``: keyword, JSON pointer in the caller's schema, what it became).  What has no exact
-rewrite is left as it is, and strict mode then refuses it with its pointer (``schema.require_supported``).
+Every rewrite here but one (``narrow_bounds``, below) is exact (the rewritten schema accepts exactly the instances
+the original accepts; held against ``jsonschema`` on generated valid and invalid instances in
+``tests/test_schema_rewrite.py``), and every one is reported (``Rewrite``: keyword, JSON pointer in the caller's
+schema, what it became).  What has no exact rewrite is left as it is, and strict mode then refuses it with its
+pointer (``schema.require_supported``).
 
 - older drafts' spellings: ``definitions`` -> ``$defs`` (``$ref`` fixed up); ``items: [...]`` + ``additionalItems``
   -> ``prefixItems`` + ``items``; ``dependencies`` -> ``dependentRequired`` / ``dependentSchemas``; draft-04's
@@ -28,6 +29,11 @@ rewrite is left as it is, and strict mode then refuses it with its pointer (``sc
 - a finite domain (``enum``/``const``, here or in an ``allOf`` member) holding a keyword no engine enforces ->
   ``enum`` of the values that pass, as jsonschema judges them; ``enum`` beside a ``type`` some values lack ->
   the values of that type.
+
+One rewrite is not exact, and only for llguidance (``narrow_bounds``): an integer bound past 2^53 that llguidance
+1.7.6 cannot hold exactly (it reads bounds as doubles) is narrowed to the nearest double inside it (int64's
+-2^63 .. 2^63-1 -> -2^63+1024 .. 2^63-1024): stricter, never looser, so every output stays valid, and at most the
+1,024 integers at each end are no longer generated.
 
 A rewrite never moves what a local ``$ref`` points into, and one whose ``anyOf``s would intersect into more than 64
 alternatives (llguidance expands them; past its parser limits it fails while matching) is not made.  Schemas with
@@ -993,8 +999,90 @@ def conjoin(s: dict, extra: Any) -> Any:
     return {**s, "allOf": [*s.get("allOf", []), extra]}
 
 
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+# keywords where a stricter sub-schema can make the whole looser (``not``; ``if``, whose stricter condition sends
+# instances to ``else``; ``oneOf``, where one branch fewer can make "exactly one"; the counts of ``contains``; what
+# ``unevaluated*`` sees as evaluated): with one of these left anywhere, bounds are not narrowed (the schema stays
+# refused for llguidance, as before)
+_NOT_MONOTONE = frozenset({"not", "if", "oneOf", "contains", "unevaluatedItems", "unevaluatedProperties",
+                           "dependencies"})
+
+
+def _narrowed(s: Any, ptr: str, rw: _Rewriter) -> Any:
+    """NOT exact, and only with ``narrow_bounds`` (llguidance), applied last, to a schema in which every sub-schema
+    counts positively (no ``_NOT_MONOTONE`` keyword: each sub-schema made stricter makes the whole stricter, never
+    looser): an integer bound past 2^53 that llguidance 1.7.6 cannot hold exactly -> the nearest inclusive bound
+    inside it that is a double (``narrowed_bound``).  Every output stays valid; the integers between the narrowed
+    and the real bound are no longer generated (int64's ``maximum`` 2^63-1 -> 2^63-1024: 1,023 values; ``minimum``
+    -2^63 -> -2^63+1024: 1,024 values).  Only where the ``type`` allows integers and no fractions (llguidance 1.7.6
+    compares a ``number`` as a double: ``maximum`` 2^63-1024 took 2^63-1023); a bound within 2^53 (every integer
+    there is a double) or one that no such narrowing fits is left as it is (strict mode then refuses it for
+    llguidance, and ``auto`` falls back to the next engine)."""
+    if not isinstance(s, dict):
+        return s
+    ptr = rw.origins.get(id(s), ptr)
+    out: dict = {}
+    for kw, v in s.items():
+        p = f"{ptr}/{_esc(kw)}"
+        if kw in _SUB_MAP and isinstance(v, dict):
+            out[kw] = {name: _narrowed(sub, f"{p}/{_esc(name)}", rw) for name, sub in v.items()}
+        elif kw in _SUB_LIST and isinstance(v, list):
+            out[kw] = [_narrowed(sub, f"{p}/{i}", rw) for i, sub in enumerate(v)]
+        elif kw in _SUB and isinstance(v, dict):
+            out[kw] = _narrowed(v, p, rw)
+        else:
+            out[kw] = v
+    a = atoms(out.get("type"))
+    if a is not None and "integer" in a and "fraction" not in a:
+        for kw in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+            v = out.get(kw)
+            new = narrowed_bound(kw, v) if _num(v) and abs(v) > 2 ** 53 else None
+            if new is None:
+                continue
+            inclusive = "maximum" if "aximum" in kw else "minimum"
+            out = {k: x for k, x in out.items() if k != kw}
+            if _num(out.get(inclusive)) and (out[inclusive] < new if inclusive == "maximum" else out[inclusive] > new):
+                continue  # the other bound on that side is stricter already (and was narrowed itself when needed)
+            out[inclusive] = new
+            rw.note(kw, f"{ptr}/{_esc(kw)}", f"{inclusive} {new} (narrowed to a double: llguidance 1.7.6 holds "
+                    f"integer bounds past 2^53 exactly only as doubles; {abs(new - admitted_end(kw, v)):,} valid "
+                    "integers between it and the bound no longer generated)")
+    if id(s) in rw.origins:
+        rw.origins[id(out)] = rw.origins[id(s)]
+    return out
+
+
+def narrowed_bound(keyword: str, v: Any) -> int | None:
+    """The inclusive integer bound (``minimum`` for the lower keywords, ``maximum`` for the upper) that llguidance
+    1.7.6 enforces exactly and that keeps every integer it admits inside ``keyword: v``: the nearest double inside
+    ``v`` (strictly inside for the exclusive keywords), within +-(2^63-1024) (probed: such a bound is exact; a
+    ``minimum`` of -2^63 fails to compile, and bounds past 2^63 saturate to int64's).  A lower bound of -2^63 is
+    narrowed to -2^63+1024.  None where that would refuse more than the last 1,024 integers of int64 (a bound past
+    +-2^63, or a lower bound near the top / an upper bound near the bottom)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    upper = "aximum" in keyword
+    x = admitted_end(keyword, v)  # the last integer the bound admits
+    d = float(x)  # the nearest double (ties to even): one step inward where that lands outside
+    if upper and int(d) > x:
+        d = math.nextafter(d, -math.inf)
+    elif not upper and int(d) < x:
+        d = math.nextafter(d, math.inf)
+    top = 2 ** 63 - 1024  # the largest double below 2^63
+    if not upper and int(d) < -top and x >= -2 ** 63:
+        d = float(-top)
+    return int(d) if abs(int(d)) <= top else None
+
+
+def admitted_end(keyword: str, v: int | float) -> int:
+    """The last integer ``keyword: v`` admits on its side (the largest for the upper bounds)."""
+    if "aximum" in keyword:
+        return math.ceil(v) - 1 if keyword.startswith("exclusive") else math.floor(v)
+    return math.floor(v) + 1 if keyword.startswith("exclusive") else math.ceil(v)
+
+
 def rewrite(schema: Any, native: frozenset[str] = frozenset(), list_required: bool = False,
-            false_properties: bool = True) -> Rewritten:
+            false_properties: bool = True, narrow_bounds: bool = False) -> Rewritten:
     """``schema`` with every exact rewrite above applied (a new object; ``schema`` is not changed).
 
     ``native``: keywords the target engine enforces itself, left to it where a rewrite would only make its grammar
@@ -1004,7 +1092,9 @@ def rewrite(schema: Any, native: frozenset[str] = frozenset(), list_required: bo
     ``false_properties``: whether the engine takes ``{"properties": {key: false}}`` (the key is absent), the form
     the ``dependentRequired``/``dependentSchemas`` and ``not required`` rewrites produce; without it they are left
     as they are (the strict check then names the keyword), where before the engine's own compile failed
-    (xgrammar 0.2.8: "Schema 'false' cannot accept any value", 2 of 100 dev-split schemas in ``bench real``)."""
+    (xgrammar 0.2.8: "Schema 'false' cannot accept any value", 2 of 100 dev-split schemas in ``bench real``).
+    ``narrow_bounds`` (llguidance): integer bounds past 2^53 narrowed to doubles, the one rewrite that is not exact
+    (stricter: see ``_narrowed``)."""
     if not isinstance(schema, dict):
         return Rewritten(schema)
     rw = _Rewriter(schema, native, list_required, false_properties)
@@ -1018,6 +1108,11 @@ def rewrite(schema: Any, native: frozenset[str] = frozenset(), list_required: bo
             out = {**out, "$schema": DRAFT_2020_12}
             rw.note("$schema", "/$schema", f"{DRAFT_2020_12} (the older draft's forms rewritten)")
         rw.origins[id(out)] = ""
+        if narrow_bounds:
+            kws = {kw for kw, _, v, _ in walk(out) if kw not in _BOUNDS or _num(v) and abs(v) > 2 ** 53}
+            if kws & _BOUNDS and not kws & _NOT_MONOTONE:
+                rw.before_narrowing = out  # alive: rw.origins is keyed by the ids of its dicts
+                out = _narrowed(out, "", rw)
     return Rewritten(out, tuple(rw.rewrites.values()), rw.origins)
 
 
