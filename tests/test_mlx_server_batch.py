@@ -221,20 +221,37 @@ def logits_processors(args, tokenizer, model):
 '''
 
 
-def _fault_plugin(where):
-    """The plugin above installed in ``where`` (a module and its dist-info with the entry point)."""
-    (where / "sgfault.py").write_text(FAULT_PLUGIN)
-    info = where / "sgfault-0.0.dist-info"
+def _fault_plugin(where, name="sgfault", source=FAULT_PLUGIN):
+    """A server plugin (the one above by default) installed in ``where`` (a module and its dist-info with the entry
+    point)."""
+    (where / f"{name}.py").write_text(source)
+    info = where / f"{name}-0.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sgfault\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text("[mlx_lm.server_plugins]\nsgfault = sgfault\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[mlx_lm.server_plugins]\n{name} = {name}\n")
     return where
+
+
+def _alone_refs(model, tok, exs):
+    """Each JSON Schema request's greedy answer decoded alone (mlx-lm's ``generate_step`` with the plugin's
+    processor: plain constrained decoding), as the server answers it."""
+    from test_mlx_common import plain_generate_step, prompt_ids
+
+    provider = _provider(model, tok)
+    eos = set(tok.eos_token_ids)
+    refs = []
+    for ex in exs:
+        _, (proc,) = _processors(provider, _body(ex))
+        out = plain_generate_step(model, prompt_ids(tok, ex.prompt), processor=proc, max_tokens=MAX_TOKENS,
+                                  eos_ids=eos)
+        refs.append(tok.decode(out[:-1] if out and out[-1] in eos else out))
+    return refs
 
 
 @pytest.mark.parametrize("draft", [False, True], ids=["no-draft", "draft"])
 def test_batched_requests_over_http_one_fault_fails_only_its_request(tiny, tmp_path, draft):
     """``mlx_lm.server --plugin specgrammar``, without a draft model and with one (which turns mlx-lm's batching
-    off; the plugin batches a request that arrives while others wait or decode): concurrent JSON Schema requests
+    off; the plugin batches constrained requests anyway): concurrent JSON Schema requests
     (certified budget) are decoded together on mlx-lm's batching path (their processor calls interleave), each
     answer equal to the same request decoded alone; one whose processor fails mid-way is answered 500 while the
     others go on, and the server keeps serving (the same request alone afterwards: the same answer)."""
@@ -245,18 +262,8 @@ def test_batched_requests_over_http_one_fault_fails_only_its_request(tiny, tmp_p
     from servers import launch_mlx, patched_mlx_root
     from specgrammar_plugins.workloads import examples
 
-    from test_mlx_common import plain_generate_step, prompt_ids
-
-    model, tok = tiny
-    provider = _provider(model, tok)
-    eos = set(tok.eos_token_ids)
     exs = examples("json_extraction", "eval", 4)
-    refs = []
-    for ex in exs:
-        _, (proc,) = _processors(provider, _body(ex))
-        out = plain_generate_step(model, prompt_ids(tok, ex.prompt), processor=proc, max_tokens=MAX_TOKENS,
-                                  eos_ids=eos)
-        refs.append(tok.decode(out[:-1] if out and out[-1] in eos else out))
+    refs = _alone_refs(*tiny, exs)
     log = tmp_path / "calls.log"
     srv = launch_mlx(tmp_path / "srv", draft=draft, max_tokens=MAX_TOKENS, extra=["--plugin", "sgfault"],
                      root=patched_mlx_root(tmp_path / "mlx"),
@@ -294,6 +301,96 @@ def test_batched_requests_over_http_one_fault_fails_only_its_request(tiny, tmp_p
     finally:
         srv.stop()
 
+
+JOIN_SPY = '''"""A spy loaded with ``--plugin sgjoin``: every ``next()`` of the batching path's SpecGenerationBatch
+writes how many rows its batch holds to SG_JOIN_LOG.  While the batch holds the test's second request alone, it
+waits until a third one has arrived (``request_fields``) and is queued: a request sent later finds the first still decoding."""
+import os
+import threading
+import time
+
+import pluggy
+
+from specgrammar_mlx_lm import batch_server
+
+hookimpl = pluggy.HookimplMarker("mlx_lm.server")
+_next = batch_server._SpecMixin.next
+_arrived = [0]
+_lock = threading.Lock()
+
+
+def _spied(self):
+    with open(os.environ["SG_JOIN_LOG"], "a") as f:
+        f.write(f"{len(self.uids)}\\n")
+    if len(self.uids) == 1 and _arrived[0] == 2:
+        t0 = time.monotonic()
+        while _arrived[0] < 3 and time.monotonic() - t0 < 30:
+            time.sleep(0.01)
+        time.sleep(0.5)  # the third one's tokenizing and queueing
+    return _next(self)
+
+
+batch_server._SpecMixin.next = _spied
+
+
+@hookimpl
+def request_fields(body, model_provider):
+    if body.get("response_format"):  # the test's requests (not the start-up probe)
+        with _lock:
+            _arrived[0] += 1
+    return None
+'''
+
+
+def test_a_lone_request_on_a_draft_server_is_a_batch_that_others_join(tiny, tmp_path):
+    """Issue 34: on ``mlx_lm.server --plugin specgrammar --draft-model`` a constrained request that arrives alone goes
+    to the batching path (``is_batchable`` votes True with nothing waiting): it is a speculative row, a batch of one
+    (the spy sees one row, the log a ``specgrammar batch:`` line and no serial-loop line), and a second request sent
+    while it decodes joins the same batch (two rows in one ``next()``); each greedy answer equals plain constrained
+    decoding of the same request alone."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from servers import launch_mlx, patched_mlx_root
+    from specgrammar_plugins.workloads import examples
+
+    exs = examples("json_extraction", "eval", 2)
+    refs = _alone_refs(*tiny, exs)
+    _fault_plugin(tmp_path, "sgjoin", JOIN_SPY)
+    spy = tmp_path / "rows.log"
+    srv = launch_mlx(tmp_path / "srv", draft=True, max_tokens=MAX_TOKENS,
+                     extra=["--plugin", "sgjoin", "--log-level", "INFO"], root=patched_mlx_root(tmp_path / "mlx"),
+                     env={"PYTHONPATH": str(tmp_path), "SG_JOIN_LOG": str(spy)})
+    client = srv.client()
+
+    def ask(ex):
+        r = client.chat.completions.create(
+            model="default_model", messages=[{"role": "user", "content": ex.prompt}], max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": ex.constraint.schema}})
+        return r.choices[0].message.content
+
+    def rows():
+        return [int(x) for x in spy.read_text().split()] if spy.exists() else []
+
+    try:
+        start = len(srv.log.read_text())
+        assert ask(exs[0]) == refs[0]  # alone, nothing else in flight
+        assert rows() and set(rows()) == {1}, rows()  # a batch of one
+        alone = len(rows())
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(ask, exs[0])
+            t0 = time.monotonic()
+            while len(rows()) == alone and time.monotonic() - t0 < 60:
+                time.sleep(0.01)  # the first request is decoding on the batching path
+            second = pool.submit(ask, exs[1])
+            assert [first.result(), second.result()] == refs
+        assert max(rows()[alone:]) == 2, rows()  # the second joined the first's batch
+        log = srv.log.read_text()[start:]
+        assert len(re.findall(r"specgrammar batch: \d+ tokens", log)) == 3, log[-3000:]
+        assert not re.findall(r"specgrammar: \d+ tokens", log), log[-3000:]  # never our serial loop
+    finally:
+        srv.stop()
 
 
 # ------------------------------------------------------------------------------------------------ speculative rows

@@ -1,4 +1,4 @@
-"""``specgrammar bench mlx_server --quick``: the benchmark of concurrent JSON Schema requests over HTTP (three servers
+"""``specgrammar bench mlx_server --quick``: the benchmark of concurrent JSON Schema requests over HTTP (four servers
 on the tiny pair) runs and its figures hold what they claim."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ pytest.importorskip("mlx_lm")
 
 
 def test_bench_mlx_server_quick(tmp_path):
-    """``specgrammar bench mlx_server --quick`` (three servers on the tiny pair): every output valid in every
+    """``specgrammar bench mlx_server --quick`` (four servers on the tiny pair): every output valid in every
     configuration, each batched greedy answer equal to the same request served alone without drafts, our loop's
-    tokens per target pass read from the server's log (every serial request on the draft server is its), and
-    finite figures."""
+    tokens per target pass read from the server's log (every request on the ``--specgrammar-batch never`` server is
+    its), and finite figures."""
     import math
 
     from specgrammar_plugins.bench import mlx_server
@@ -39,5 +39,8 @@ def test_bench_mlx_server_quick(tmp_path):
     # rows cut the row (Budget.mask_row): the speculative rows' answers are our loop's
     assert rows["draft-concurrent"]["equal_to_loop_serial"] == n
     assert rows["loop-serial"]["served_by_loop"] == n and rows["loop-serial"]["tokens_per_pass_mean"] > 1.0
+    # the draft server (--specgrammar-batch auto): a constrained request alone is a batch of one (issue 34), its
+    # greedy answer our loop's
+    assert rows["draft-serial"]["speculative_rows"] == n and rows["draft-serial"]["equal_to_loop_serial"] == n
     spec = rows["spec-batch-concurrent"]  # speculative rows: greedy answers equal to our loop's, served alone
     assert spec["equal_to_loop_serial"] == n and spec["speculative_rows"] == n and spec["tokens_per_pass_mean"] > 1.0

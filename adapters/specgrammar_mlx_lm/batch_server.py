@@ -85,8 +85,8 @@ def _rollable(cache) -> bool:
 
 
 def _draft_rollable(model) -> bool:
-    """Whether the draft model's cache layers are plain ``KVCache`` (merged: ``BatchKVCache``, rolled back per row);
-    else its rows draft without it."""
+    """Whether the model's cache layers are plain ``KVCache`` (merged: ``BatchKVCache``, rolled back per row); else
+    a draft model's rows draft without it (and a target's rows decode as mlx-lm's own, ``_rollable``)."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
     ok = getattr(model, "_specgrammar_rollable", None)

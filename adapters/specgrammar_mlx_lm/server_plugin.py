@@ -26,17 +26,19 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
   object asks for the cost-aware options (``lambda``, ``adaptive``, ``budget``, ``trigger``), or for drafting
   without a constraint, is served by our loop instead (``is_batchable`` False; ``RequestPlan.loop``), one at a
   time.
-- with ``--draft-model`` a request served alone runs the core ``SpeculativeLoop`` (``stream_generate``):
+- with ``--draft-model`` a request served by our loop runs the core ``SpeculativeLoop`` (``stream_generate``):
   grammar-aware drafts, exact accept/residual verification, both caches left holding exactly prompt + yielded
   tokens.  This also routes around mlx-lm 0.32.2's prompt-cache off-by-one with a draft model (the stock loop
   leaves the target cache one token short of the key it is stored under; the patch fixes the stock path too).
   mlx-lm turns batching off when a draft model is loaded (``is_batchable = draft_model is None``, mlx-lm 0.32.2);
   the patch lets a plugin batch a request anyway (the target alone decodes it; its prompt caches are kept apart
-  from the draft path's), and this plugin does so for a request that arrives while others wait or decode
-  (``--specgrammar-batch auto``, the default): concurrent requests are batched as speculative rows that draft
-  with the draft model as our loop does (forced, recipe, then the model under the row's grammar), the rows' draft
-  models in ONE batched draft forward per draft position (``batch.MLXDraftBatch``), a request alone gets the
-  speculative loop.
+  from the draft path's), and this plugin does so (``--specgrammar-batch auto``, the default) for a constrained
+  request that arrives alone when its row drafts there as our loop would (``_speculative_row``: a batch of one
+  that later requests join) and for any request that arrives while others wait or decode: they are batched as
+  speculative rows that draft with the draft model as our loop does (forced, recipe, then the model under the
+  row's grammar), the rows' draft models in ONE batched draft forward per draft position
+  (``batch.MLXDraftBatch``).  Alone, a request without a constraint, with mlx-lm logits processors or xtc, or on
+  caches that do not roll back per row gets the speculative loop.
 - compiles past ``SPECGRAMMAR_COMPILE_TIMEOUT_S`` are killed, not left running: the server sets
   ``compile_isolation="process"`` (``compile_worker``) unless ``SPECGRAMMAR_COMPILE_ISOLATION`` says otherwise.
 - every request goes through the core's gate first (``check_request``): numbers finite and in range, unknown
@@ -107,10 +109,10 @@ def add_arguments(parser):
     parser.add_argument("--specgrammar-context-length", type=int, default=None, metavar="N",
                         help="the model's context length in tokens (default: its config's max_position_embeddings)")
     parser.add_argument("--specgrammar-batch", choices=("auto", "never"), default="auto",
-                        help="with --draft-model: auto (default) batches a request that arrives while others wait "
-                             "or decode (a speculative row drafting with the draft model, one batched draft forward "
-                             "per position for all rows) and serves one alone with our speculative loop; never: "
-                             "every request runs our loop, one at a time")
+                        help="with --draft-model: auto (default) batches a constrained request even alone, and any "
+                             "request that arrives while others wait or decode (a speculative row drafting with the "
+                             "draft model, one batched draft forward per position for all rows); other requests "
+                             "alone run our speculative loop; never: every request runs our loop, one at a time")
     parser.add_argument("--specgrammar-batch-drafts", choices=("on", "off"), default="on",
                         help="on (default): constrained requests on the batching path draft (forced tokens, "
                              "recipes, the draft model if loaded, else prompt copy, suffix, layout) and one batched "
@@ -318,12 +320,38 @@ def is_batchable(args, model_provider, waiting):
     if plan is not None and plan.loop:
         return False  # the request asked for our loop (drafting, cost-aware options)
     if getattr(model_provider, "draft_model", None) is not None:
-        # mlx-lm turns batching off with a draft model.  A request alone is served by our speculative loop; one
-        # that arrives while others wait or decode joins the batching path as a speculative row that drafts with
-        # the draft model too (batched draft and target forwards for all of them beat one speculative request at a
-        # time: docs/BENCHMARKS.md)
-        return _config["batch"] == "auto" and waiting > 0
+        # mlx-lm turns batching off with a draft model.  A request that arrives while others wait or decode joins
+        # the batching path (a speculative row drafting with the draft model, batched draft and target forwards:
+        # docs/BENCHMARKS.md); so does a constrained request that arrives alone when its row is served there as our
+        # serial loop would serve it (a batch of one that later requests join, instead of a serial request they
+        # wait behind); any other request alone gets our serial loop
+        if _config["batch"] != "auto":
+            return False
+        return waiting > 0 or _speculative_row(plan, args, model_provider)
     return None  # mlx-lm's batching path (without --draft-model), each row with its own processor
+
+
+def _speculative_row(plan: RequestPlan | None, args, model_provider) -> bool:
+    """Whether the request, batched, is a speculative row that drafts as our serial loop does: constrained, batch
+    drafts on (``_batch_row``), no sampling our verifier does not rebuild (xtc), no logits processor of mlx-lm's
+    besides ours (``batch_server._row_plan``), target and draft caches that roll back per row
+    (``batch_server._draft_rollable``)."""
+    if plan is None or plan.spec is None or _config["batch_drafts"] != "on":
+        return False
+    s = getattr(args, "sampling", None)
+    if s is None or getattr(s, "xtc_probability", 0.0) > 0.0:
+        return False
+    lg = getattr(args, "logits", None)
+    if lg is not None:
+        from mlx_lm.sample_utils import make_logits_processors
+
+        if make_logits_processors(lg.logit_bias, lg.repetition_penalty, lg.repetition_context_size,
+                                  lg.presence_penalty, lg.presence_context_size, lg.frequency_penalty,
+                                  lg.frequency_context_size):
+            return False
+    from .batch_server import _draft_rollable
+
+    return _draft_rollable(model_provider.model) and _draft_rollable(model_provider.draft_model)
 
 
 class _RowCut:

@@ -1,16 +1,18 @@
 """Benchmark ``mlx_server``: concurrent JSON Schema requests over HTTP against ``mlx_lm.server --plugin specgrammar``.
 
-One run starts the patched mlx-lm server three times on the same target (OpenBLAS preloaded when installed) and
+One run starts the patched mlx-lm server four times on the same target (OpenBLAS preloaded when installed) and
 sends the same ``--n`` JSON Schema requests (``json_extraction`` eval prompts, ``response_format`` json_schema,
-greedy, the budget on as by default) in six ways:
+greedy, the budget on as by default) in seven ways:
 
-    loop-serial            --draft-model: our speculative loop (grammar-aware drafts, exact verification), the
-                           requests one after another (before issue 34 the server served concurrent requests this way
-                           too: mlx-lm turns batching off with a draft model)
-    draft-concurrent       the same server, all requests at once: the first is served alone by our loop, those that
-                           arrive while others wait or decode join the batching path (``--specgrammar-batch auto``)
-                           as speculative rows drafting with the draft model as our loop does (one batched draft
-                           forward per draft position, one batched verification forward per round)
+    loop-serial            --draft-model --specgrammar-batch never: our serial speculative loop (grammar-aware
+                           drafts, exact verification), the requests one after another (before issue 34 the server
+                           served concurrent requests this way too: mlx-lm turns batching off with a draft model)
+    draft-serial           --draft-model (``--specgrammar-batch auto``, the default), one after another: each
+                           constrained request, arriving alone, is a batch of one on the batching path (a speculative
+                           row drafting with the draft model as our loop does)
+    draft-concurrent       the same server, all requests at once: every one a speculative row of one batch (the first
+                           a batch of one that the others join; one batched draft forward per draft position, one
+                           batched verification forward per round)
     spec-batch-concurrent  no draft model: the batching path with speculative rows (``SpecGenerationBatch``,
                            ``--specgrammar-batch-drafts on``, the default): every row drafts under its own grammar
                            (forced, recipe, layout, prompt copy, suffix), one batched forward verifies all rows
@@ -47,10 +49,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-CONFIGS = ("loop-serial", "draft-concurrent", "spec-batch-concurrent", "spec-batch-serial", "batch-concurrent",
-           "batch-serial")
-# (server, concurrent) -> configuration; servers: draft model | speculative rows, no draft | no drafts at all
-_NAMES = {("draft", False): "loop-serial", ("draft", True): "draft-concurrent",
+CONFIGS = ("loop-serial", "draft-serial", "draft-concurrent", "spec-batch-concurrent", "spec-batch-serial",
+           "batch-concurrent", "batch-serial")
+# (server, concurrent) -> configuration; servers: draft model, serial loop only | draft model | speculative rows, no
+# draft | no drafts at all
+_NAMES = {("loop", False): "loop-serial", ("draft", False): "draft-serial", ("draft", True): "draft-concurrent",
           ("spec", False): "spec-batch-serial", ("spec", True): "spec-batch-concurrent",
           ("plain", False): "batch-serial", ("plain", True): "batch-concurrent"}
 _LOOP_LINE = re.compile(r"specgrammar( batch)?: (\d+) tokens, (\d+) target passes")
@@ -81,7 +84,7 @@ class _Server:
     """The patched ``mlx_lm.server --plugin specgrammar`` in a process of its own (stopped by ``stop``)."""
 
     def __init__(self, root: Path, target: str, draft: str | None, k: int, max_tokens: int, log: Path,
-                 batch_drafts: bool = True):
+                 batch_drafts: bool = True, batch: str = "auto"):
         from specgrammar_mlx_lm.blas import openblas_path
 
         self.port = _free_port()
@@ -90,7 +93,8 @@ class _Server:
                "--model", target, "--max-tokens", str(max_tokens), "--plugin", "specgrammar", "--log-level", "INFO"]
         if draft:
             cmd += ["--draft-model", draft]
-        cmd += ["--num-draft-tokens", str(k), "--specgrammar-batch-drafts", "on" if batch_drafts else "off"]
+        cmd += ["--num-draft-tokens", str(k), "--specgrammar-batch-drafts", "on" if batch_drafts else "off",
+                "--specgrammar-batch", batch]
         # the preparation deadline (5 s by default) is not what this measures: on a shared machine a new schema's
         # budget walk can overrun it, and the warm-up request would get a 400
         env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
@@ -171,17 +175,17 @@ def run(model: str, n: int, max_tokens: int, k: int, workdir: Path, reps: int = 
     root = patched_root(workdir / "mlx")[0]
     bodies = _bodies(n, max_tokens)
     rows: dict[str, dict] = {}
-    for kind in ("draft", "spec", "plain"):
+    for kind in ("loop", "draft", "spec", "plain"):
         log = workdir / f"server-{kind}.log"
-        server = _Server(root, target, draft if kind == "draft" else None, k, max_tokens, log,
-                         batch_drafts=kind != "plain")
+        server = _Server(root, target, draft if kind in ("loop", "draft") else None, k, max_tokens, log,
+                         batch_drafts=kind != "plain", batch="never" if kind == "loop" else "auto")
         try:
-            # warm-up, not timed: the compile cache, the first forward, and the batching path's first batch (on the
-            # draft server its first use would otherwise fall in the timed concurrent run)
+            # warm-up, not timed: the compile cache, the first forward, and the batching path's first batch (the
+            # serial-loop server: the same requests one after another)
             server.ask(bodies[0])
-            _send(server, bodies, True)
+            _send(server, bodies, kind != "loop")
             before = len(server.loop_lines())
-            for concurrent in (False, True):
+            for concurrent in ((False,) if kind == "loop" else (False, True)):
                 name = _NAMES[kind, concurrent]
                 print(f"  {name} ...", flush=True)
                 tries = []
