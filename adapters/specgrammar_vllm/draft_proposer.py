@@ -140,8 +140,8 @@ class GrammarDrafting:
         # one pinned host row per request of the batch, copied to the device once per draft position
         self._bitmask = torch.empty((self.max_batch_size, self._words), dtype=torch.int32, pin_memory=PIN_MEMORY)
         self._bitmask_np = self._bitmask.numpy()
-        log.info("specgrammar: grammar-aware %s (host drafters %s first, then its drafts masked by each request's "
-                 "grammar)", getattr(self, "method", "draft_model"), list(self.grammar.drafter_names))
+        log.info("specgrammar: grammar-aware draft model (method %s; host drafters %s first, then its drafts masked "
+                 "by each request's grammar)", getattr(self, "method", "draft_model"), list(self.grammar.drafter_names))
 
     # the options, read and set on the batch layer (tests set them on a bare proposer)
     _refused_drafts = property(lambda self: self.batch.refused_drafts,
