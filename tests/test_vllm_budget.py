@@ -166,12 +166,16 @@ def test_the_launchers_gate_refuses_what_cannot_fit_with_a_400_naming_the_length
 def test_the_engines_compile_cache_takes_vllms_xgrammar_cache_bound(monkeypatch):
     """Issue 33: in the EngineCore our compile cache kept up to 512 MB of grammars beside vLLM's own xgrammar cache
     (the launcher's 64 MB); where vLLM compiles its grammars it now takes that bound when lower, never a higher one."""
+    import vllm.envs as envs
+
     from specgrammar_plugins.api import COMPILE_CACHE
 
+    # vllm.envs caches its values once an engine has started in this process (vLLM 0.32: enable_envs_cache), so the
+    # environment is not read again: the setting is set on the module, which its __getattr__ never overrides
     monkeypatch.setattr(COMPILE_CACHE, "max_bytes", 512 << 20)
-    monkeypatch.setenv("VLLM_XGRAMMAR_CACHE_MB", "64")
+    monkeypatch.setattr(envs, "VLLM_XGRAMMAR_CACHE_MB", 64, raising=False)
     budget_mask.bound_compile_cache()
     assert COMPILE_CACHE.max_bytes == 64 << 20
-    monkeypatch.setenv("VLLM_XGRAMMAR_CACHE_MB", "1024")
+    monkeypatch.setattr(envs, "VLLM_XGRAMMAR_CACHE_MB", 1024, raising=False)
     budget_mask.bound_compile_cache()
     assert COMPILE_CACHE.max_bytes == 64 << 20
