@@ -20,6 +20,8 @@ METHODS = ("grammar", "ngram", "draft_model", "eagle", "eagle3")
 # the methods whose proposer is a SpecDecodeBaseProposer running a model (ours, with the plugin): V1 model runner,
 # committed tokens on the host (no async scheduling)
 MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+# the methods of ``speculative_config`` that take a draft model or head (``draft_model=PATH``; "grammar" only with one)
+DRAFT_MODEL_METHODS = ("grammar", "draft_model", "eagle", "eagle3")
 BLIND = {"grammar_drafts": False}
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 
@@ -39,7 +41,7 @@ def speculative_config(method: str | None = "grammar", k: int = 4, draft_model: 
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": 4, "prompt_lookup_min": 1,
                 **extra}
-    if method in ("grammar", "draft_model", "eagle", "eagle3"):
+    if method in DRAFT_MODEL_METHODS:
         name = "draft_model" if method == "grammar" else method
         if draft_model is None:
             raise ValueError(f"method={name!r} needs draft_model=PATH")

@@ -19,7 +19,7 @@ from typing import Any
 
 from specgrammar_plugins.api import ConstraintSpec
 
-from .config import BLIND, speculative_config
+from .config import BLIND, DRAFT_MODEL_METHODS, speculative_config
 from .structured import params_from_spec
 
 
@@ -36,8 +36,7 @@ def make_llm(model: str, method: str | None = "grammar", k: int = 4, draft_model
     extra = {"draft_sample_method": draft_sample_method} if draft_sample_method and draft_model else {}
     if method in ("grammar", "eagle", "eagle3") and draft_model:  # our proposers extend the V1 runner (wiring.py)
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    sc = speculative_config(method, k, draft_model if method in ("grammar", "draft_model", "eagle", "eagle3")
-                            else None, **extra)
+    sc = speculative_config(method, k, draft_model if method in DRAFT_MODEL_METHODS else None, **extra)
     if sc is not None:
         args["speculative_config"] = sc
     options = {**(specgrammar or {}), **(BLIND if method == "draft_model" else {})}
