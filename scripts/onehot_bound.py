@@ -24,12 +24,6 @@ import json
 import numpy as np
 
 
-def _law(z: np.ndarray, allowed: np.ndarray, temperature: float) -> np.ndarray:
-    z = np.where(allowed, z / temperature, -np.inf)
-    p = np.exp(z - z.max())
-    return p / p.sum()
-
-
 def tokens_per_pass(acc: list[float], k: int, rng: np.random.Generator, reps: int = 400) -> float:
     tokens = passes = 0
     for _ in range(reps):
@@ -57,7 +51,8 @@ def main() -> None:
     from specgrammar_mlx_lm.processor import compile_for
     from specgrammar_plugins.bench.real import MODEL_FREE, requests
     from specgrammar_plugins.bench.real_hosts import MLXReal
-    from specgrammar_plugins.masks import new_mask, unpack_mask
+    from specgrammar_plugins.distributions import SamplingParams, log_law
+    from specgrammar_plugins.masks import mask_allows, new_mask
 
     doc = json.load(open(a.result))
     outs = doc["outputs"][a.config][str(a.temperature)]
@@ -65,6 +60,7 @@ def main() -> None:
     host = MLXReal(MODEL_FREE)
     eos = min(host.stops)
     rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=a.temperature)  # the target's and the draft's law under the request's mask
     by: dict[str, tuple[list[float], list[float]]] = {}
     all_q: list[float] = []
     all_ov: list[float] = []
@@ -84,11 +80,10 @@ def main() -> None:
             if m.is_terminated():
                 break
             m.fill_mask(row)
-            allowed = unpack_mask(row, zt.shape[-1])
-            if not allowed[t]:  # the text tokenizes otherwise than the answer was generated: leave it out
+            if not mask_allows(row, t):  # the text tokenizes otherwise than the answer was generated: leave it out
                 q_max = []
                 break
-            q, r = _law(zt[i], allowed, a.temperature), _law(zd[i], allowed, a.temperature)
+            q, r = np.exp(log_law(zt[i], row, params)), np.exp(log_law(zd[i], row, params))
             q_max.append(float(q.max()))
             overlap.append(float(np.minimum(q, r).sum()))
             m.accept(int(t))
