@@ -605,6 +605,25 @@ def test_an_entry_past_the_caches_bound_is_found_while_it_is_held(toy):
     assert cache.misses == 2
 
 
+def test_evict_drops_the_entries_but_not_what_a_request_holds(toy):
+    """``CompileCache.evict`` (vLLM's EngineCore after a costly compile, ``budget_mask._drop_costly``): the cache
+    keeps nothing, but a grammar a live request holds is still found for it (never compiled twice for one
+    request); once nothing holds it, it compiles again."""
+    import gc
+
+    cache = CompileCache()
+    held, dropped = ConstraintSpec.regex(r"[a-z]{2,4}"), ConstraintSpec.regex(r"[0-9]{3}")
+    a = compile_constraint(held, toy, "dfa", cache=cache)
+    compile_constraint(dropped, toy, "dfa", cache=cache)
+    assert len(cache) == 2 and cache.nbytes > 0
+    cache.evict()
+    assert len(cache) == 0 and cache.nbytes == 0
+    assert compile_constraint(held, toy, "dfa", cache=cache) is a
+    gc.collect()
+    compile_constraint(dropped, toy, "dfa", cache=cache)
+    assert (cache.hits, cache.misses) == (1, 3)
+
+
 def test_engine_tokenizer_objects_are_cached(toy):
     from specgrammar_plugins.engines import _common
 

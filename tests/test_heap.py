@@ -62,3 +62,51 @@ def test_a_preparation_gives_back_what_it_freed():
         _churn_in_a_thread()
         assert heap.rss_bytes() - before > 100 << 20
     assert heap.rss_bytes() - before < heap.SLACK
+
+
+class _Held:
+    """Blocks a costly request built, held in a reference cycle (freed only by a full collection)."""
+
+    def __init__(self, ptrs):
+        self.ptrs, self.me = ptrs, self
+
+    def __del__(self):
+        libc = ctypes.CDLL(None)
+        libc.free.argtypes = [ctypes.c_void_p]
+        for p in self.ptrs:
+            libc.free(p)
+
+
+def test_again_collects_and_trims_what_was_freed_after_the_costly_trim():
+    """``give_back(again=True)`` (vLLM's EngineCore, whose heap vLLM freezes): the call after a trim of a grown
+    heap collects cycles and trims, though the heap did not grow since; without ``again`` nothing runs."""
+    import gc
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    held: list = []
+
+    def build():  # in a thread's arena; the last block pins the heap's top
+        ptrs = [libc.malloc(BLOCK) for _ in range(BLOCKS + 1)]
+        for p in ptrs:
+            ctypes.memset(p, 1, BLOCK)
+        held.append(_Held(ptrs[:-1]))
+        _kept.append(ptrs[-1])
+
+    gc.disable()
+    try:
+        heap.give_back(slack=0)
+        before = heap.rss_bytes()
+        t = threading.Thread(target=build)
+        t.start()
+        t.join()
+        assert heap.rss_bytes() - before > 100 << 20
+        heap.give_back(slack=32 << 20, again=True)  # the costly request's own trim: its blocks are still held
+        held.clear()  # the request ends: its blocks are garbage in a cycle, not yet freed
+        assert heap.rss_bytes() - before > 100 << 20
+        assert heap.give_back(slack=1 << 40) == 0  # no growth, no ``again``: nothing runs
+        given = heap.give_back(slack=1 << 40, again=True)
+        assert given > 100 << 20, given
+        assert heap.give_back(slack=1 << 40, again=True) == 0  # once only
+    finally:
+        gc.enable()

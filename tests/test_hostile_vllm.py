@@ -264,14 +264,19 @@ def test_a_valid_body_is_served_correctly_or_refused_in_time(vllm, case):
     vllm.after(slowest)
 
 
-def test_the_api_servers_memory_comes_back_after_the_valid_costly_bodies(vllm):
-    """After the valid costly bodies above (the 20,000-option choice, ``(a|b)*a(a|b){25}``), the API server's RSS
-    is within 200 MB of its baseline: glibc kept what the gate's preparation freed (+518-533 MB) until
-    ``heap.give_back`` trimmed it at the end of each preparation (+91 MB measured, the compile cache's share).  The
-    EngineCore is printed, not bounded here: +267 and +261 MB in two runs, 2026-11-26 22:37 and 22:49 UTC
-    (docs/HARDENING.md, "Memory after costly valid requests": what holds it)."""
+def test_the_memory_comes_back_after_the_valid_costly_bodies(vllm):
+    """After the valid costly bodies above (the 20,000-option choice, ``(a|b)*a(a|b){25}``) and the ordinary
+    request after each, every process of the launcher (the API server, vLLM's EngineCore) is within 200 MB of its
+    baseline.  The API server: glibc kept what the gate's preparation freed (+518-533 MB) until ``heap.give_back``
+    trimmed it at the end of each preparation (+91 MB measured, the compile cache's share).  The EngineCore: +261
+    and +267 MB before ``budget_mask._drop_costly`` emptied its compile caches after a compile that grew its heap
+    past the trim slack, with a full collection and a trim at the next compile; +157 MB after (docs/HARDENING.md,
+    "Memory after costly valid requests")."""
     server_rss_mb(vllm.launched.pid, "served")
-    assert RSS["served:api server"] < RSS["baseline:api server"] + RSS_SLACK_MB, RSS
+    grown = {k.split(":", 1)[1]: v - RSS[f"baseline:{k.split(':', 1)[1]}"] for k, v in RSS.items()
+             if k.startswith("served:") and f"baseline:{k.split(':', 1)[1]}" in RSS}
+    assert "api server" in grown and len(grown) >= 2, RSS  # (the EngineCore: the same pid since the baseline)
+    assert max(grown.values()) < RSS_SLACK_MB, (grown, RSS)
 
 
 def test_an_oversize_body_is_a_413_before_it_is_read(vllm):

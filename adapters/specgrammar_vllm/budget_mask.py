@@ -65,7 +65,7 @@ if FAR not in ("open", "all", "off"):
 COUNTERS: dict = {"budget_requests": 0, "budget_exact": 0, "budget_certified": 0, "budget_refused": 0,
                   "budget_skipped": 0, "budget_errors": 0, "budget_rows": 0, "budget_cut_rows": 0,
                   "budget_lost": 0, "budget_lost_midway": 0, "budget_drafts_cut": 0, "budget_uncertified": 0, "budget_ns": 0,
-            "budget_draft_ns": 0}  # budget_ns: the scheduler's rows and draft checks; budget_draft_ns: the proposers'
+            "budget_draft_ns": 0, "costly_cache_drops": 0}  # budget_ns: the scheduler's rows and draft checks; budget_draft_ns: the proposers'
 LOST: dict = {}  # ids of the requests that lost their certificate mid-way (budget_lost_midway), the last 4096
 _LOCK = threading.Lock()
 # request id -> its BudgetedGrammar (the proposers in the same EngineCore process read it)
@@ -310,6 +310,34 @@ def bound_compile_cache() -> None:
         COMPILE_CACHE.max_bytes = limit
 
 
+def _drop_costly(manager, before: int | None) -> None:
+    """After a compile that grew the EngineCore's heap past the trim slack (``api.TRIM_SLACK_BYTES``: 64 MB; a
+    20,000-option choice grew it ~260 MB), both compile caches of the engine are emptied: vLLM's xgrammar cache,
+    because xgrammar 0.2.8's ``GrammarCompiler`` holds more than it counts against ``cache_limit_bytes`` (emptying
+    it gave back 161 MB while it reported 50 MB, issue 33), so its bound cannot keep costly grammars from staying;
+    and ours (``COMPILE_CACHE.evict``: the grammars a live request holds stay found for it).  The request keeps its
+    own compiled grammar; what it held is freed when it ends, and the next grammar compile's
+    ``give_back_memory(again=True)`` collects and trims it.  The cheap grammars of other requests compile again
+    once (ms); a repeat of the costly one compiles again (the launcher's gate bounds its preparation)."""
+    from specgrammar_plugins.api import COMPILE_CACHE, TRIM_SLACK_BYTES, rss_bytes
+
+    after = rss_bytes()
+    if before is None or after is None or after - before <= TRIM_SLACK_BYTES:
+        return
+    COMPILE_CACHE.evict()
+    compiler = getattr(getattr(manager, "backend", None), "compiler", None)
+    clear = getattr(compiler, "clear_cache", None)
+    if clear is not None:
+        try:
+            clear()
+        except Exception as e:  # (never the request's failure)
+            log.warning("specgrammar: could not empty vLLM's xgrammar cache (%s: %s)", type(e).__name__, e)
+            return
+        _count_locked("costly_cache_drops")
+        log.info("specgrammar: a grammar compile grew the engine's heap by %d MB: the compile caches emptied",
+                 (after - before) >> 20)
+
+
 def wrap_create_grammar(cls) -> None:
     """``StructuredOutputManager._create_grammar`` (run in vLLM's compile thread pool) returns the grammar wrapped
     with the request's budget (idempotent).  Afterwards the memory vLLM's compile and the budget freed goes back to
@@ -320,13 +348,15 @@ def wrap_create_grammar(cls) -> None:
         return
 
     def _create_grammar(self, request):
-        from specgrammar_plugins.api import give_back_memory
+        from specgrammar_plugins.api import give_back_memory, rss_bytes
 
         bound_compile_cache()
+        before = rss_bytes()
         try:
             return _budgeted(self, request)
         finally:
-            give_back_memory()
+            _drop_costly(self, before)
+            give_back_memory(again=True)
 
     def _budgeted(self, request):
         grammar = orig(self, request)

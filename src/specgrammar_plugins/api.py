@@ -47,7 +47,7 @@ from .constraint import CompiledConstraint, ConstraintSpec, Forced, Matcher
 from .distributions import GREEDY, SamplingParams, log_law
 from .gbnf import normalize_gbnf
 from .gate import Checked, Host, check_request
-from .heap import give_back as give_back_memory
+from .heap import SLACK as TRIM_SLACK_BYTES, give_back as give_back_memory, rss_bytes
 from .errors import BudgetError, ConstraintError, EmptyMaskError, RequestError, SpecGrammarError, TokenizerMismatchError
 from .history import HistoryMatcher, MaskProcessor, RequestBoundary, StopOnlyMask
 from .laws import LawBackend
@@ -73,7 +73,7 @@ __all__ = [
     "MaskProcessor", "Matcher", "ModelNotInstalled", "ModelRunner", "RecipePackError", "RequestBoundary", "RequestError", "SamplingParams",
     "SpecGrammarError", "SpecOptions", "SpeculativeLoop", "Stats", "StopOnlyMask", "TokenizerInfo",
     "TokenizerMismatchError", "UnknownModelError", "Verdict", "budget_of", "check_budget", "check_request", "common_prefix_len", "compile_constraint", "fill",
-    "allowed_ids", "give_back_memory", "is_model_name", "law_backend", "log_law", "make_drafter", "make_loop", "mask_allows", "mask_words", "new_mask",
+    "allowed_ids", "give_back_memory", "rss_bytes", "TRIM_SLACK_BYTES", "is_model_name", "law_backend", "log_law", "make_drafter", "make_loop", "mask_allows", "mask_words", "new_mask",
     "normalize_gbnf", "parse_request", "patch_path", "prepare_deadline", "registered_drafters", "resolve_model", "resolve_pack", "resolve_pack_name", "set_bit",
     "sync_runner", "unpack_mask", "verify_block",
     "with_defaults",

@@ -70,6 +70,12 @@ class CompileCache:
             self._alive.clear()
             self._bytes = 0
 
+    def evict(self) -> None:
+        """Drop every entry; one that a live request still holds stays found (``_alive``) until it is freed."""
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
+
     def __len__(self) -> int:
         return len(self._items)
 

@@ -19,6 +19,7 @@ musl) or there is no ``/proc``.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import threading
 
@@ -48,12 +49,19 @@ def rss_bytes() -> int | None:
 
 
 _mark = rss_bytes()  # the RSS after the last trim (or at import), lowered whenever the RSS is found below it
+_pending = False  # a trim ran with ``again``: the next ``give_back(again=True)`` collects and trims once more
 
 
-def give_back(slack: int | None = None) -> int:
+def give_back(slack: int | None = None, *, again: bool = False) -> int:
     """``malloc_trim(0)`` when this process's RSS has grown by more than ``slack`` (default ``SLACK``) since the
-    last trim; the bytes of RSS it gave back (0 when it did not run).  Never blocks on another thread's trim."""
-    global _mark
+    last trim; the bytes of RSS it gave back (0 when it did not run).  Never blocks on another thread's trim.
+
+    ``again`` (a caller that runs at the start of each request's work, while the costly request that grew the heap
+    may still hold what it built: vLLM's grammar compile in the EngineCore): after such a trim, the next call with
+    ``again`` runs a full ``gc.collect()`` (vLLM 0.32 freezes the EngineCore's start-up heap, so no full
+    collection runs on its own) and trims once more, whatever the growth: by then that request is usually over
+    and its grammars freed, which glibc would otherwise keep (issue 33)."""
+    global _mark, _pending
     if _TRIM is None or not _LOCK.acquire(blocking=False):
         return 0
     try:
@@ -62,8 +70,13 @@ def give_back(slack: int | None = None) -> int:
             return 0
         if _mark is None or rss < _mark:
             _mark = rss
-        if rss - _mark <= (SLACK if slack is None else slack):
+        grown = rss - _mark > (SLACK if slack is None else slack)
+        if not grown and not (again and _pending):
             return 0
+        if again:
+            if not grown:
+                gc.collect()
+            _pending = grown
         _TRIM(0)
         after = rss_bytes() or rss
         _mark = after
