@@ -1,6 +1,7 @@
 """The batch layer's per-position hot paths (issue 34): the cheaper forms give exactly what they replace.
 
-- ``masks.allowed_ids``: a sparse row's ids read off its nonzero words only, against unpacking every bit.
+- ``masks.allowed_ids``: a sparse row's ids read off its nonzero words only, against unpacking every bit; with its
+  cache, the same.
 - ``GrammarDrafting._masked_argmax`` on a CPU past ``CPU_KERNEL_MAX_VOCAB``: the allowed-ids argmax read through a
   numpy view of the logits (a bfloat16 tensor as its raw bits), against xgrammar's kernel then ``argmax``, for
   float32, float16 and bfloat16 logits with ties, NaN and all -inf rows.
@@ -26,6 +27,30 @@ def test_allowed_ids_equals_unpacking_every_bit(vocab):
             got = allowed_ids(row, vocab)
             assert got.dtype == np.int64
             assert got.tolist() == np.flatnonzero(unpack_mask(row, vocab)).tolist()
+
+
+def test_allowed_ids_cache_gives_each_rows_own_ids_and_stays_bounded():
+    """The cache (vLLM's refused rows) returns what unpacking gives, for rows of the same count of nonzero words and
+    the same bits in another order (never another row's ids), keeps only sparse rows, at most ALLOWED_IDS_CACHE."""
+    from specgrammar_plugins.masks import ALLOWED_IDS_CACHE
+
+    vocab = 151936
+    rng = np.random.default_rng(34)
+    cache: dict = {}
+    base = rng.choice(vocab, 425, replace=False)
+    rows = [pack_mask(np.isin(np.arange(vocab), base))]
+    swapped = rows[0].copy()
+    nz = np.flatnonzero(swapped)
+    swapped[nz[0]], swapped[nz[1]] = swapped[nz[1]], swapped[nz[0]]  # same words, two swapped: another row
+    rows += [swapped, pack_mask(rng.random(vocab) < 0.5)]  # and a dense row
+    for _ in range(3):  # misses, then hits
+        for row in rows:
+            got = allowed_ids(row, vocab, cache)
+            assert got.tolist() == np.flatnonzero(unpack_mask(row, vocab)).tolist()
+    assert len(cache) == 2 and all(not v.flags.writeable for v in cache.values())  # the two sparse rows
+    for n in range(ALLOWED_IDS_CACHE + 5):
+        allowed_ids(pack_mask(np.isin(np.arange(vocab), [n, n + 1000])), vocab, cache)
+    assert len(cache) == ALLOWED_IDS_CACHE
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -140,6 +140,7 @@ class GrammarDrafting:
         # one pinned host row per request of the batch, copied to the device once per draft position
         self._bitmask = torch.empty((self.max_batch_size, self._words), dtype=torch.int32, pin_memory=PIN_MEMORY)
         self._bitmask_np = self._bitmask.numpy()
+        self._ids_cache: dict = {}  # refused rows' allowed ids by their mask (masks.allowed_ids)
         log.info("specgrammar: grammar-aware draft model (method %s; host drafters %s first, then its drafts masked "
                  "by each request's grammar)", getattr(self, "method", "draft_model"), list(self.grammar.drafter_names))
 
@@ -305,14 +306,14 @@ class GrammarDrafting:
         with a logit above -inf.  ``host``: the logits as numpy sees them (``_numpy_view``), gathered and compared
         there (a torch op per row costs more than its few hundred elements), else torch's."""
         vocab = self._vocab
-        ids = allowed_ids(row, vocab)
+        ids = allowed_ids(row, vocab, self._ids_cache)
         width = logits.shape[-1]
         if width > vocab:
             ids = np.concatenate([ids, np.arange(vocab, width)])
         if not len(ids):
             return None
         if host is not None:
-            vals = host[0][i, ids]
+            vals = host[0][i].take(ids)
             if host[1]:  # bfloat16 bits -> float32, exact
                 vals = (vals.astype(np.uint32) << 16).view(np.float32)
             j = int(np.argmax(vals))  # (numpy's argmax, as torch's, takes the first NaN as the maximum)

@@ -78,6 +78,7 @@ def _proposer(vocab: int, batch: int, early_ending: bool = True):
     p._may_skip = True
     p._bitmask = torch.empty((batch, mask_words(vocab)), dtype=torch.int32)
     p._bitmask_np = p._bitmask.numpy()
+    p._ids_cache = {}
 
     p.grammar = _Table(vocab)
     p.batch = BatchDrafter(p.grammar, vocab) if early_ending else BatchDrafter(p.grammar, vocab, None, None)

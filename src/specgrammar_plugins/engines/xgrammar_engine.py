@@ -163,7 +163,7 @@ class XGrammarEngine:
 class XGrammarMatcher:
     """One walk through an xgrammar ``CompiledGrammar``."""
 
-    __slots__ = ("compiled", "tok", "vocab_size", "gm", "book", "ed")
+    __slots__ = ("compiled", "tok", "vocab_size", "gm", "book", "ed", "_accept_token", "_jump_forward")
     # b"" from find_jump_forward_string means no byte is forced, except where the forced bytes end inside a UTF-8
     # sequence (jump_forward then says b"": a forced token is then missed, never invented); tests/test_block.py
     jump_forward_complete = True
@@ -175,6 +175,16 @@ class XGrammarMatcher:
         self.gm = gm
         self.book = book
         self.ed = ed if ed is not None else [False]  # per position (base first): the bytes so far end in ED
+        # xgrammar 0.2.8's GrammarMatcher.accept_token and find_jump_forward_string are one-line Python wrappers
+        # of its native handle's; a batch host calls both once per request per draft position, so the handle's
+        # own (a Python frame less each), where the matcher has one
+        handle = getattr(gm, "_handle", None)
+        if handle is not None and hasattr(handle, "accept_token") and hasattr(handle, "find_jump_forward_string"):
+            self._accept_token = handle.accept_token
+            self._jump_forward = handle.find_jump_forward_string
+        else:
+            self._accept_token = lambda token, debug_print: gm.accept_token(token)
+            self._jump_forward = gm.find_jump_forward_string
 
     @classmethod
     def start(cls, compiled: CompiledConstraint) -> "XGrammarMatcher":
@@ -212,7 +222,7 @@ class XGrammarMatcher:
         ed = self.ed
         if ed[-1] and 0xA0 <= (data[:1] or b"\0")[0] <= 0xBF:
             return False  # a surrogate (see _NO_SURROGATE)
-        if not self.gm.accept_token(token):
+        if not self._accept_token(token, False):  # (debug_print off)
             return False
         ed.append(data[-1] == 0xED if data else ed[-1])
         book.steps.append(1)
@@ -264,7 +274,7 @@ class XGrammarMatcher:
         if self.book.stop_at is not None:
             return b""
         try:
-            text = self.gm.find_jump_forward_string()
+            text = self._jump_forward()
             return text.encode("utf-8")[: forced_cap(limit)] if text else b""  # (mostly nothing forced)
         except UnicodeDecodeError:
             # xgrammar 0.2.8 returns the jump-forward string as a Python str, and raises when the forced bytes end
