@@ -218,7 +218,7 @@ class DraftBlock:
                     self.matched += 1
                 else:
                     self.dead = True
-        if source == "forced" and self.n_free < self.capacity - self.budget:
+        if source in ("forced", "forced-jump") and self.n_free < self.capacity - self.budget:
             self.n_free += 1  # the grammar's own token: it leaves the budget to drafts that may be rejected
         tokens.append(token)
         self.laws.append(law)

@@ -57,6 +57,10 @@ def push_run(block: DraftBlock, run: Sequence[int], source: str) -> int:
     return n
 
 
+FORCED_JUMP = "forced-jump"  # the source of the tokenized jump-forward string (``ForcedDrafter``): forced bytes, not
+# forced tokens, so the model may split them otherwise; counted apart so its acceptance can be read
+
+
 class ForcedDrafter:
     """Tokens the grammar forces next, read off the block's own masks (a position whose mask allows one token, never
     a stop token), then, where that walk ends, the tokenized jump-forward string (one-hot drafts).  Fills no mask
@@ -65,15 +69,26 @@ class ForcedDrafter:
     ``byte_complete`` (the tokenizer's ``TokenizerInfo.byte_complete``): on a lazy block (``DraftBlock.lazy``) whose
     mask nobody has read yet the matcher's jump-forward string is asked first, and where it is empty nothing is
     forced and no mask is filled (with a vocabulary that has every byte as a token, one allowed token means a forced
-    byte).  Without it the mask is read as on any block."""
+    byte).  Without it the mask is read as on any block.
+
+    ``splits`` (``ForcedSplits``, the process-wide one for the tokenizer by default): a jump-forward string the
+    model was forced through before, after the same token, is drafted as the model split it then (its own tokens,
+    learnt from what the target committed after the block), else as the tokenizer encodes it.  These drafts are
+    source ``forced-jump`` (forced bytes, not forced tokens: the model may split them otherwise)."""
 
     name = "forced"
 
-    def __init__(self, encode: Callable[[str], list[int]] | None = None, *, byte_complete: bool = False):
+    def __init__(self, encode: Callable[[str], list[int]] | None = None, *, byte_complete: bool = False,
+                 splits: "ForcedSplits | None" = None):
         self.encode = encode
         self.byte_complete = byte_complete
+        self.splits = splits
+        self._block = None  # the block of the jump-forward strings watched (``_watch``): learnt from the next block
+        self._watch: list[tuple] = []  # (the sequence's length, its last tokens, the string's bytes) per string
 
     def extend(self, block: DraftBlock, budget: int) -> int:
+        if self._watch and block is not self._block:
+            self._learn(block.context)
         if block.matcher is None or budget <= 0 or block.dead:
             return 0
         hint = block.forced_hint() if self.byte_complete else None
@@ -93,7 +108,92 @@ class ForcedDrafter:
         # inside a UTF-8 sequence (the branch point of "👍"/"👎"): only whole characters are tokenized, never a
         # partial sequence decoded
         text = whole_utf8(hint if hint is not None else block.matcher.jump_forward())
-        return n + push_run(block, (self.encode(text)[:-1] if text else [])[:budget], "forced")
+        if not text:
+            return 0
+        run = None
+        if self.splits is not None:  # how the model split this string after this token before, if it did
+            seq = block.sequence()
+            run = self.splits.get(seq[-1] if seq else -1, text)
+            if block is not self._block:
+                self._block, self._watch = block, self._watch[-4:]
+            self._watch.append((len(seq), tuple(seq[-4:]), text.encode("utf-8")))
+        if run is None:
+            run = self.encode(text)[:-1]
+        return push_run(block, run[:budget], FORCED_JUMP)
+
+    def _learn(self, ctx: Sequence[int]) -> None:
+        """The target committed ``ctx``: where it has written past a watched jump-forward string, keep the model's
+        own tokens inside that string (``ForcedSplits``); until then keep watching it."""
+        keep = []
+        for n, tail, text in self._watch:
+            if len(ctx) < n or tuple(ctx[n - len(tail):n]) != tail:
+                continue  # the drafts before the string were rejected, or another request
+            if not self.splits.learn(tail[-1] if tail else -1, text, ctx[n:]):
+                keep.append((n, tail, text))
+        self._watch = keep[-8:]
+        self._block = None
+
+
+class ForcedSplits:
+    """How the model tokenized the jump-forward strings it was forced through: (the token before, the string) ->
+    its tokens whose bytes lie inside the string, the last kept (the canonical tokenization is not the model's: a
+    forced key it did not choose is often written in pieces, 'n' 'am' 'e').  One per tokenizer per process
+    (``server_splits``), learnt from every request, as the layout index is; bounded (oldest first out)."""
+
+    def __init__(self, token_bytes: Sequence[bytes], limit: int = 4096):
+        self.token_bytes = token_bytes
+        self.limit = limit
+        self._split: dict[tuple[int, str], tuple[int, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._split)
+
+    def get(self, prev: int, text: str) -> list[int] | None:
+        run = self._split.get((int(prev), text))
+        return list(run) if run is not None else None
+
+    def learn(self, prev: int, text: bytes, committed: Sequence[int]) -> bool:
+        """Read the model's tokens inside ``text`` off ``committed`` (what it wrote from the string on); False while
+        it has not yet written past the string's end."""
+        got, run = 0, []
+        for t in committed:
+            b = self.token_bytes[t] if 0 <= t < len(self.token_bytes) else b""
+            if not b or not text.startswith(b, got):
+                break  # the token ends past the string (or is not its bytes): the split is known
+            run.append(int(t))
+            got += len(b)
+            if got == len(text):
+                break
+        else:
+            if got < len(text):
+                return False
+        # the string and each of its tails after one of the model's tokens (the walk restarts there when a later
+        # draft of it is rejected): 'name"' after '"' -> n am e, 'ame"' after 'n' -> am e, ...
+        at = 0
+        for i in range(len(run)):
+            tail = text[at:]
+            try:
+                key = (int(prev), tail.decode("utf-8"))
+            except UnicodeDecodeError:  # (a tail that starts inside a character is never a jump-forward string)
+                key = None
+            if key is not None:
+                self._split.pop(key, None)
+                if len(self._split) >= self.limit:
+                    self._split.pop(next(iter(self._split)))
+                self._split[key] = tuple(run[i:])
+            prev, at = run[i], at + len(self.token_bytes[run[i]])
+        return True
+
+
+_SPLITS: dict = {}
+
+
+def server_splits(key, token_bytes: Sequence[bytes]) -> ForcedSplits:
+    """The process-wide ``ForcedSplits`` for one tokenizer (``key``: its fingerprint)."""
+    splits = _SPLITS.get(key)
+    if splits is None:
+        splits = _SPLITS[key] = ForcedSplits(token_bytes)
+    return splits
 
 
 class ModelDrafter:
@@ -167,7 +267,7 @@ class _Gated:
 
     def push(self, token: int, law=None, source: str = "model", *, check: bool = True) -> bool:
         b = self._block
-        if law is None and source != ChainDrafter.FORCED and not b.done and b.allows(token) and \
+        if law is None and source not in (ChainDrafter.FORCED, FORCED_JUMP) and not b.done and b.allows(token) and \
                 self._model.prob(b, token) < self._floor:
             self.refused += 1
             return False

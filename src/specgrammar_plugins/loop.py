@@ -59,7 +59,7 @@ class Stats:
 
     @property
     def forced_tokens(self) -> int:
-        return self.accepted_by_source.get("forced", 0)
+        return self.accepted_by_source.get("forced", 0) + self.accepted_by_source.get("forced-jump", 0)
 
     @property
     def acceptance(self) -> float:

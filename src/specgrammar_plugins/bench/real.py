@@ -46,15 +46,17 @@ from typing import Sequence
 
 CONFIGS = ("plain", "forced", "model-free", "no-pack", "host-pld")
 MODEL_FREE = ("forced", "recipe", "layout", "prompt", "suffix")
-SOURCES = ("forced", "recipe", "layout", "prompt", "suffix", "model")
+SOURCES = ("forced", "forced-jump", "recipe", "layout", "prompt", "suffix", "model")
 
 
 def _reset_online() -> None:
     """Empty the process-wide online learners (suffix and layout indexes): each configuration starts cold."""
+    from .. import drafters
     from ..recipes import layout, suffix
 
     suffix._SERVER_INDEXES.clear()
     layout._SERVER.clear()
+    drafters._SPLITS.clear()
 
 
 def requests(n: int, n_schemas: int, seed: int) -> tuple[list[dict], str | None]:

@@ -3,15 +3,21 @@
 
 from __future__ import annotations
 
-from ..drafters import ForcedDrafter, LayoutDrafter, ModelDrafter, PromptLookupDrafter, RecipeDrafter, SuffixDrafter
+from ..drafters import (ForcedDrafter, LayoutDrafter, ModelDrafter, PromptLookupDrafter, RecipeDrafter, SuffixDrafter,
+                        server_splits)
 from ..hookspecs import hookimpl
 from ..recipes import MissLog, auto_pack, load_pack, server_suffix_index
 
 
 def _forced(ctx):
+    """A ``ForcedDrafter`` with the process-wide memory of how the model split forced strings for this tokenizer
+    (``server_splits``), where the tokenizer has its token bytes."""
     tok = ctx.tokenizer
+    splits = None
+    if tok is not None and getattr(tok, "token_bytes", None):
+        splits = server_splits(getattr(tok, "fingerprint", None) or "default", tok.token_bytes)
     return ForcedDrafter(tok.encode if tok is not None else None,
-                         byte_complete=tok is not None and tok.byte_complete)
+                         byte_complete=tok is not None and tok.byte_complete, splits=splits)
 
 
 def _model(ctx):
