@@ -619,7 +619,7 @@ def test_speculative_rows_keep_the_law_at_t1(tiny, monkeypatch, caplog):
 
     from test_mlx_law import P_FLOOR, chi_square_p, exact_law, law_case
 
-    from specgrammar_mlx_lm.batch_server import RowPlan
+    from specgrammar_plugins.api import RowPlan
 
     from mlx_lm import load
 

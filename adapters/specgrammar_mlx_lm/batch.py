@@ -30,10 +30,9 @@ from typing import Sequence
 
 import numpy as np
 
-from specgrammar_plugins.api import BatchLoop, DraftRow, SpecOptions, make_loop
+from specgrammar_plugins.api import (BatchLoop, DraftRow, SpecOptions, compile_for, make_loop, sampling_params,
+                                     stop_ids, tokenizer_info)
 
-from .generate import sampling_params, stop_ids
-from .processor import compile_for, tokenizer_info
 from .runner import MLXRunner, check_trimmable, output_width
 
 

@@ -29,26 +29,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-
 import numpy as np
 
-from specgrammar_plugins.api import RowRunner, SpecOptions, draft_rows, make_loop
+from specgrammar_plugins.api import RowRunner, draft_rows, make_loop
 
 from .batch import MLXDraftBatch, forward_rows, rollback_rows
 
 log = logging.getLogger("specgrammar.mlx_lm")
-
-
-@dataclass
-class RowPlan:
-    """What a batched row needs to become a speculative row (set by the plugin on its grammar processor)."""
-
-    compiled: object  # CompiledConstraint
-    options: SpecOptions  # k resolved
-    params: object  # SamplingParams
-    max_tokens: int
-    seed: int | None = None  # the row's verifier draws (None: fresh entropy; the batching path takes no seed)
 
 
 class _Row:

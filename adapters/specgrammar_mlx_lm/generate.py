@@ -25,9 +25,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from specgrammar_plugins.api import DEFAULT_DRAFTERS, SamplingParams, SpecOptions, Stats, make_loop
+from specgrammar_plugins.api import (DEFAULT_DRAFTERS, SamplingParams, SpecOptions, Stats, compile_for,
+                                     encode_prompt, make_loop, sampling_params, stop_ids, tokenizer_info)
 
-from .processor import compile_for, tokenizer_info
 from .runner import OPAQUE, MLXRunner, cache_offset
 
 try:  # mlx-lm's own response type, so existing callers work unchanged
@@ -60,32 +60,10 @@ def _wrap_tokenizer(tokenizer):
     return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
 
 
-def _encode_prompt(tokenizer, prompt) -> list[int]:
-    if isinstance(prompt, str):
-        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
-        return list(tokenizer.encode(prompt, add_special_tokens=add_special))
-    if hasattr(prompt, "tolist"):
-        return [int(t) for t in prompt.tolist()]
-    return [int(t) for t in prompt]
-
-
 def _log_softmax_row(row):
     import mlx.core as mx
 
     return row - mx.logsumexp(row, keepdims=True)
-
-
-def stop_ids(tokenizer, tokinfo) -> tuple[int, ...]:
-    """A request's stop tokens: the tokenizer's EOS ids and the constraint's (``TokenizerInfo``) stop ids."""
-    eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
-    return tuple(sorted(eos | set(tokinfo.stop_token_ids)))
-
-
-def sampling_params(temperature: float | None = None, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                    temp: float | None = None) -> SamplingParams:
-    t = temperature if temperature is not None else (temp if temp is not None else 0.0)
-    return SamplingParams(temperature=float(t), top_k=int(top_k or 0), top_p=float(top_p if top_p else 1.0),
-                          min_p=float(min_p or 0.0))
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model=None, *,
@@ -133,7 +111,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, draft_model
     import mlx.core as mx
 
     tokenizer = _wrap_tokenizer(tokenizer)
-    rest = _encode_prompt(tokenizer, prompt)
+    rest = encode_prompt(tokenizer, prompt)
     params = params or sampling_params(temperature, top_p, top_k, min_p, temp)
 
     # caches: mlx-lm's layout is [target layers..., draft layers...]

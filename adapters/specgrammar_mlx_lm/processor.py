@@ -18,42 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from specgrammar_plugins.api import (CompiledConstraint, ConstraintSpec, MaskProcessor, SpecOptions, StopOnlyMask,
-                                     TokenizerInfo, check_budget, compile_constraint)
+from specgrammar_plugins.api import (CompiledConstraint, MaskProcessor, SpecOptions, StopOnlyMask, check_budget,
+                                     compile_for, tokenizer_info)
 
-_TOKINFO: dict[tuple[int, int], tuple[object, TokenizerInfo]] = {}
-
-
-def tokenizer_info(tokenizer, width: int) -> TokenizerInfo:
-    """``TokenizerInfo`` of an mlx-lm ``TokenizerWrapper`` (or HF tokenizer), masks padded to ``width``;
-    every EOS id mlx-lm knows is a stop token.  Cached per tokenizer object."""
-    key = (id(tokenizer), int(width))
-    hit = _TOKINFO.get(key)
-    if hit is not None and hit[0] is tokenizer:
-        return hit[1]
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    eos_ids = sorted(int(i) for i in (getattr(tokenizer, "eos_token_ids", None) or ()))
-    kw = {}
-    if getattr(hf, "eos_token_id", None) is None and eos_ids:
-        kw["eos_token"] = eos_ids[0]
-    info = TokenizerInfo.from_hf(hf, vocab_size=None, stop_tokens=eos_ids, **kw)
-    n = len(info.token_bytes)
-    info = info.with_vocab_size(max(int(width), n)) if width else info
-    _TOKINFO[key] = (tokenizer, info)
-    return info
-
-
-def compile_for(constraint, tokenizer, width: int, engine: str | None = None) -> CompiledConstraint:
-    """A ``ConstraintSpec`` (or an already compiled constraint) compiled for this tokenizer at ``width``."""
-    if isinstance(constraint, CompiledConstraint):
-        if constraint.tokenizer.vocab_size < width:
-            raise ValueError(f"the constraint was compiled for {constraint.tokenizer.vocab_size} tokens but the model "
-                             f"outputs {width}")
-        return constraint
-    if not isinstance(constraint, ConstraintSpec):
-        raise TypeError(f"constraint must be a ConstraintSpec or CompiledConstraint, got {type(constraint).__name__}")
-    return compile_constraint(constraint, tokenizer_info(tokenizer, width), engine=engine)
-
+__all__ = ["GrammarLogitsProcessor", "compile_for", "grammar_logits_processor", "stop_only_processor",
+           "tokenizer_info"]  # compile_for, tokenizer_info: the core's (api), as this module named them
 
 class GrammarLogitsProcessor:
     """``processor(tokens, logits) -> logits`` with every token the mask forbids set to -inf.

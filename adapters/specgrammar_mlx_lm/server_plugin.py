@@ -15,8 +15,8 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
 - without a draft model, a constrained request stays on mlx-lm's batching path (``BatchGenerator``): each row
   gets its own history-keyed grammar logits processor (``logits_processors``) with its budget in the row, the exact
   bound (regex, choice, ...) as it is, a certified bound (JSON Schema on xgrammar / llguidance) as a mask row
-  (``_RowCut``: ``Budget.mask_row``, as on vLLM; mlx-lm's sampler cannot draw again), and the request's
-  ``batch_server.RowPlan``.  The batching path decodes with ``batch_server.SpecGenerationBatch``
+  (``api.RowCut``: ``Budget.mask_row``, as on vLLM; mlx-lm's sampler cannot draw again), and the request's
+  ``api.RowPlan``.  The batching path decodes with ``batch_server.SpecGenerationBatch``
   (``generation_batch_class``; ``--specgrammar-batch-drafts on``, the default): after its first token each
   constrained row drafts under its own grammar with its own options (``drafters``: forced, recipe, layout, prompt
   copy, suffix; ``recipe``; ``k``: the request's, ``--specgrammar-k``, else ``--num-draft-tokens``) and one batched
@@ -52,48 +52,23 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import threading
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pluggy
 
-from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, Host, RequestError, SpecOptions,
-                                     check_budget, check_request, prepare_deadline, registered_drafters,
-                                     resolve_pack_name)
+from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, Host, PromptCounter, RequestPlan, RowCut,
+                                     RowPlan, SpecOptions, check_budget, check_request, compile_for, draft_k, logged,
+                                     plan_options, prepare_deadline, sampling_params, served_names, tokenizer_info,
+                                     wait_for, widen_listen_backlog)
 
 hookimpl = pluggy.HookimplMarker("mlx_lm.server")
 log = logging.getLogger("specgrammar.mlx_lm")
 
 _config = {"engine": None, "k": None, "recipes": None, "context_length": None, "batch": "auto", "batch_drafts": "on"}
-
-
-@dataclass
-class RequestPlan:
-    """What the plugin read from one request."""
-
-    spec: object  # ConstraintSpec | None
-    options: SpecOptions
-    explicit: bool  # the request sent a ``specgrammar`` object
-    certified: bool = False  # its budget bound is certified (without our loop: a mask row, ``_RowCut``)
-
-    @property
-    def loop(self) -> bool:
-        """Whether the request needs our loop, served alone: its ``specgrammar`` object asks for what only our loop
-        does (the cost-aware ``lambda`` / ``adaptive`` / ``budget``, a deferred ``trigger``), or for drafting
-        (``k`` not 0) without a constraint (the batching path's speculative rows are its constrained rows).  A
-        constrained request's own drafting options (``k``, ``drafters``, ``recipe``, ``engine``, ``budget_mask``)
-        are honoured per row on the batching path (``batch_server.RowPlan``)."""
-        o = self.options
-        if not self.explicit:
-            return False
-        return (o.lam is not None or o.adaptive or o.budget is not None or o.trigger is not None
-                or (self.spec is None and o.k != 0)
-                or (self.spec is not None and getattr(self.spec, "trigger", None) is not None))
 
 
 # ---------------------------------------------------------------------------------------------- start-up
@@ -137,22 +112,7 @@ def configure(cli_args, model_provider):
     LIMITS.compile_isolation = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "process").strip()
     if LIMITS.compile_isolation == "process":
         COMPILE_POOL.prestart()
-    _widen_listen_backlog()
-
-
-LISTEN_BACKLOG = 128
-
-
-def _widen_listen_backlog() -> None:
-    """mlx-lm 0.32.2's server is an ``http.server.ThreadingHTTPServer`` with socketserver's default listen backlog
-    of 5: a burst of more simultaneous connections (32 in tests/test_concurrency.py) got connection resets before
-    any handler ran.  The server class is built after ``configure``, so widening the class's backlog here
-    applies to it (``SPECGRAMMAR_LISTEN_BACKLOG``, default 128)."""
-    from http.server import ThreadingHTTPServer
-
-    backlog = int(os.environ.get("SPECGRAMMAR_LISTEN_BACKLOG", LISTEN_BACKLOG))
-    if ThreadingHTTPServer.request_queue_size < backlog:
-        ThreadingHTTPServer.request_queue_size = backlog
+    widen_listen_backlog()  # mlx-lm 0.32.2's server is a ThreadingHTTPServer, built after configure
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -163,76 +123,19 @@ def _engine(options: SpecOptions) -> str | None:
 _started = threading.Event()  # set once the default model was seen loaded
 
 
-def _wait_for_model(model_provider, timeout: float = 120.0):
-    """The default model loads on the generation thread at start-up; requests may arrive before it is ready.
-    Only then: once it was loaded, a request never waits here (a model that is missing later, after a failed
-    load, must not stall every request for ``timeout``)."""
-    t0 = time.monotonic()
-    while (not _started.is_set() and model_provider.model is None
-           and getattr(model_provider.cli_args, "model", None)):
-        if time.monotonic() - t0 > timeout:
-            break
-        time.sleep(0.05)
-    if model_provider.model is not None:
-        _started.set()
+def _wait_for_model(model_provider):
+    """The default model loads on the generation thread at start-up; requests may arrive before it is ready."""
+    wait_for(lambda: model_provider.model, lambda: bool(getattr(model_provider.cli_args, "model", None)), _started)
     return model_provider.model, model_provider.tokenizer
 
 
 def _compile(spec, options: SpecOptions, model, tokenizer):
-    from .processor import compile_for
     from .runner import output_width
 
     return compile_for(spec, tokenizer, output_width(model), _engine(options))
 
 
-class _Counter:
-    """Counts a request's prompt tokens as the server will (its chat template), in the handler thread, on a copy
-    of the server's tokenizer (the generation thread's own is not shared across threads), one at a time."""
-
-    def __init__(self, tokenizer, cli_args):
-        self.tok = copy.deepcopy(tokenizer)
-        self.template_args = dict(getattr(cli_args, "chat_template_args", None) or {})
-        self.lock = threading.Lock()
-
-    def __call__(self, body: dict) -> int:
-        with self.lock:
-            try:
-                if "messages" not in body:
-                    return len(self.tok.encode(body["prompt"]))
-                return len(self._chat(body))
-            except RequestError:
-                raise
-            except Exception as e:  # the template refused the messages (jinja's raise_exception, a TypeError)
-                reason = str(e).strip().splitlines()[0][:200] if type(e).__name__ == "TemplateError" else ""
-                raise RequestError("messages cannot be formatted with the model's chat template"
-                                   + (f": {reason}" if reason else ""), field="messages") from None
-
-    def _chat(self, body: dict) -> list[int]:
-        messages = [dict(m) for m in body["messages"]]
-        for m in messages:  # content parts -> their text (images are counted by the host's own processor)
-            if isinstance(m.get("content"), list):
-                m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p.get("text"), str))
-        if not getattr(self.tok, "has_chat_template", False):
-            text = "\n".join(str(m.get("content") or "") for m in messages)
-            return self.tok.encode(text)
-        kwargs = dict(self.template_args)
-        if isinstance(body.get("chat_template_kwargs"), dict):
-            kwargs.update(body["chat_template_kwargs"])
-        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tools=body.get("tools") or None,
-                                            tokenize=True, **kwargs)
-
-
 _host_cache: dict = {}
-
-
-def _served_names(cli) -> list[str]:
-    """The names a request may give its ``model``: ``default_model``, ``--model`` as given and as a resolved path."""
-    names = ["default_model"]
-    if getattr(cli, "model", None):
-        names.append(cli.model)
-        if Path(cli.model).exists():
-            names.append(str(Path(cli.model).resolve()))
-    return names
 
 
 def _host(model_provider) -> Host:
@@ -243,12 +146,11 @@ def _host(model_provider) -> Host:
     hit = _host_cache.get("host")
     if hit is not None and hit[0] is model and hit[1] is tokenizer:
         return hit[2]
-    names = _served_names(cli)
+    names = served_names(getattr(cli, "model", None))
     fixed = (("adapters", (getattr(cli, "adapter_path", None),)),
              ("draft_model", ("default_model", getattr(cli, "draft_model", None))))
     kw = {}
     if model is not None and tokenizer is not None:
-        from .processor import tokenizer_info
         from .runner import output_width
 
         width = output_width(model)
@@ -258,7 +160,7 @@ def _host(model_provider) -> Host:
         ctx = _config["context_length"] or getattr(getattr(model, "args", None), "max_position_embeddings", None)
         kw = dict(context_length=int(ctx) if ctx else None, vocab_size=width,
                   max_token_bytes=max([1, *map(len, info.token_bytes), *specials]),
-                  count_tokens=_Counter(tokenizer, cli))
+                  count_tokens=PromptCounter(tokenizer, getattr(cli, "chat_template_args", None)))
     host = Host("the mlx-lm server", models=tuple(dict.fromkeys(names)), fixed=fixed,
                 default_max_tokens=getattr(cli, "max_tokens", None), **kw)
     _host_cache["host"] = (model, tokenizer, host)
@@ -284,14 +186,7 @@ def _prepare(body, host, model_provider):
     explicit = body.get("specgrammar") is not None
     if spec is None and not explicit:
         return None
-    known = registered_drafters()
-    bad = [d for d in options.drafters if d not in known]
-    if bad:
-        raise RequestError(f"unknown drafter(s) {', '.join(map(repr, bad))}; available: {', '.join(sorted(known))}",
-                           field="specgrammar.drafters")
-    if options.recipe:
-        # a name, looked up in --specgrammar-recipes then the shipped packs (RecipePackError: 400)
-        options = replace(options, recipe=str(resolve_pack_name(options.recipe, _config["recipes"])))
+    options = plan_options(options, _config["recipes"])  # drafters known; recipe: a name in --specgrammar-recipes
     certified = False
     if spec is not None:
         model, tokenizer = _wait_for_model(model_provider)
@@ -306,7 +201,7 @@ def _prepare(body, host, model_provider):
 def list_models(models, model_provider):
     """``GET /v1/models`` lists only the models a request may name here: the gate answers 404 for any other (the
     host also lists the mlx models in the Hugging Face cache, which it would load on a request's say)."""
-    names = set(_served_names(model_provider.cli_args))
+    names = set(served_names(getattr(model_provider.cli_args, "model", None)))
     return [m for m in models if m.get("id") in names]
 
 
@@ -354,20 +249,6 @@ def _speculative_row(plan: RequestPlan | None, args, model_provider) -> bool:
     return _draft_rollable(model_provider.model) and _draft_rollable(model_provider.draft_model)
 
 
-class _RowCut:
-    """A certified budget applied as a mask row (``Budget.mask_row``), for mlx-lm's own loops, whose sampler cannot
-    draw again: far from the budget the row is left as it is; in the tight zone only tokens with a certified
-    completion within the tokens left stay.  The row is a function of the history, so the batched and the
-    sequential loop see the same row (what vLLM's structured-output bitmask gets, ``specgrammar_vllm.budget_mask``);
-    our loop (``stream_generate``) instead re-draws a token that does not fit (``Budget.draw``)."""
-
-    def __init__(self, budget):
-        self.budget = budget
-
-    def restrict(self, row, generated) -> bool:
-        return self.budget.mask_row(row, generated)
-
-
 @hookimpl
 def logits_processors(args, tokenizer, model):
     plan = _plan(args)
@@ -383,24 +264,21 @@ def logits_processors(args, tokenizer, model):
         return [stop_only_processor(tokenizer.eos_token_ids, str(e))]
     row = _batch_row(plan, compiled, args)
     if fit is not None and fit.settles:
-        fit = _RowCut(fit)  # certified: a row (our loop, when it serves the request, re-draws instead)
+        fit = RowCut(fit)  # certified: a row (our loop, when it serves the request, re-draws instead)
     proc = GrammarLogitsProcessor(compiled, fit=fit)
     proc.batch_row = row  # on the batching path: a speculative row (batch_server), None: one token per pass
     return [proc]
 
 
 def _batch_row(plan: RequestPlan, compiled, args):
-    """What makes the request a speculative row on the batching path (``batch_server.RowPlan``), or None: batch
+    """What makes the request a speculative row on the batching path (``api.RowPlan``), or None: batch
     drafts off, or sampling our verifier does not rebuild (xtc)."""
     s = getattr(args, "sampling", None)
     if _config["batch_drafts"] != "on" or s is None or getattr(s, "xtc_probability", 0.0) > 0.0:
         return None
-    from .batch_server import RowPlan
-    from .generate import sampling_params
-
     o = plan.options
-    k = o.k if o.k is not None else (_config["k"] if _config["k"] is not None else args.num_draft_tokens)
-    return RowPlan(compiled, replace(o, k=k), sampling_params(s.temperature, s.top_p, s.top_k, s.min_p),
+    return RowPlan(compiled, replace(o, k=draft_k(o, _config["k"], args.num_draft_tokens)),
+                   sampling_params(s.temperature, s.top_p, s.top_k, s.min_p),
                    args.max_tokens)
 
 
@@ -436,7 +314,7 @@ def stream_generate(model, tokenizer, draft_model, prompt, prompt_cache, context
     from .generate import stream_generate as ours
 
     options = plan.options if plan is not None else SpecOptions()
-    k = options.k if options.k is not None else (_config["k"] if _config["k"] is not None else args.num_draft_tokens)
+    k = draft_k(options, _config["k"], args.num_draft_tokens)
     s = args.sampling
     gen = ours(model, tokenizer, prompt, max_tokens=args.max_tokens, draft_model=draft_model, num_draft_tokens=k,
                constraint=plan.spec if plan is not None else None, engine=_engine(options), recipe=options.recipe,
@@ -445,18 +323,5 @@ def stream_generate(model, tokenizer, draft_model, prompt, prompt_cache, context
                budget=options.budget, budget_mask=options.budget_mask,
                cached_tokens=list(context.prompt[: context.prompt_cache_count]),
                prefill_step_size=generation_kwargs.get("prefill_step_size") or 2048)
-    return _logged(gen)
+    return logged(gen, log)
 
-
-def _logged(gen):
-    try:
-        for r in gen:
-            if r.stats is not None:
-                st = r.stats
-                log.info("specgrammar: %d tokens, %d target passes (%.2f tokens/pass), acceptance %.2f, forced %d%s",
-                         st.emitted, st.target_passes, st.tokens_per_pass, st.acceptance, st.forced_tokens,
-                         f", budget {st.budget['budget']} shaped {st.budget['shaped_positions']} positions"
-                         if st.budget.get("shaped") else "")
-            yield r
-    finally:
-        gen.close()

@@ -1,0 +1,256 @@
+"""What a server adapter does with a request that needs no host: planning, counting, row plans, statistics.
+
+Moved out of ``adapters/specgrammar_mlx_lm`` (issue 34, "the two adapters shrink"), offered to every adapter
+through ``api``:
+
+- ``RequestPlan``: what the plugin read from one request (constraint, options, whether our loop must serve it);
+  ``plan_options``: a request's drafter names checked against the registered drafters and its recipe name resolved
+  (``RequestError`` / ``RecipePackError``: 400); ``draft_k``: the request's ``k``, else the server's, else the host's;
+- ``RowPlan``: what a batched row needs to become a speculative row (compiled constraint, options, law, budget);
+- ``RowCut``: a certified budget applied as a mask row, for a host's own sampler that cannot draw again;
+- ``PromptCounter``: a request's prompt tokens counted as a Hugging Face tokenizer's chat template counts them;
+  ``served_names``: the names a request may give its ``model``;
+- ``tokenizer_info`` / ``compile_for``: a Hugging Face tokenizer (or a host's wrapper of one) as the core's
+  ``TokenizerInfo``, a constraint compiled for it at the model's output width; ``stop_ids``, ``sampling_params``,
+  ``encode_prompt``: a request's stop tokens, law and prompt ids;
+- ``wait_for``: a value a host loads on another thread; ``widen_listen_backlog``: ``http.server``'s listen backlog;
+  ``logged``: a generator of responses whose final ``stats`` is logged.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from .compiler import compile_constraint
+from .constraint import CompiledConstraint, ConstraintSpec
+from .distributions import SamplingParams
+from .errors import RequestError
+from .plugins import drafters as registered_drafters
+from .recipes import resolve_name as resolve_pack_name
+from .requests import SpecOptions
+from .tokenizer import TokenizerInfo
+
+
+@dataclass
+class RequestPlan:
+    """What the plugin read from one request."""
+
+    spec: object  # ConstraintSpec | None
+    options: SpecOptions
+    explicit: bool  # the request sent a ``specgrammar`` object
+    certified: bool = False  # its budget bound is certified (without our loop: a mask row, ``RowCut``)
+
+    @property
+    def loop(self) -> bool:
+        """Whether the request needs our loop, served alone: its ``specgrammar`` object asks for what only our loop
+        does (the cost-aware ``lambda`` / ``adaptive`` / ``budget``, a deferred ``trigger``), or for drafting
+        (``k`` not 0) without a constraint (the batching path's speculative rows are its constrained rows).  A
+        constrained request's own drafting options (``k``, ``drafters``, ``recipe``, ``engine``, ``budget_mask``)
+        are honoured per row on the batching path (``RowPlan``)."""
+        o = self.options
+        if not self.explicit:
+            return False
+        return (o.lam is not None or o.adaptive or o.budget is not None or o.trigger is not None
+                or (self.spec is None and o.k != 0)
+                or (self.spec is not None and getattr(self.spec, "trigger", None) is not None))
+
+
+def plan_options(options: SpecOptions, recipes_dir: str | None) -> SpecOptions:
+    """The request's options with its drafter names checked (``RequestError``: 400) and its recipe, a name, looked
+    up in the server's pack folder (``recipes_dir``) then the shipped packs (``RecipePackError``: 400)."""
+    known = registered_drafters()
+    bad = [d for d in options.drafters if d not in known]
+    if bad:
+        raise RequestError(f"unknown drafter(s) {', '.join(map(repr, bad))}; available: {', '.join(sorted(known))}",
+                           field="specgrammar.drafters")
+    if options.recipe:
+        options = replace(options, recipe=str(resolve_pack_name(options.recipe, recipes_dir)))
+    return options
+
+
+def draft_k(options: SpecOptions, server_k: int | None, host_k: int) -> int:
+    """Draft tokens per round: the request's ``k``, else the server's option, else the host's own default."""
+    return options.k if options.k is not None else (server_k if server_k is not None else host_k)
+
+
+@dataclass
+class RowPlan:
+    """What a batched row needs to become a speculative row (set by the plugin on its grammar processor)."""
+
+    compiled: object  # CompiledConstraint
+    options: SpecOptions  # k resolved
+    params: object  # SamplingParams
+    max_tokens: int
+    seed: int | None = None  # the row's verifier draws (None: fresh entropy; the batching path takes no seed)
+
+
+class RowCut:
+    """A certified budget applied as a mask row (``Budget.mask_row``), for a host's own loops, whose sampler cannot
+    draw again: far from the budget the row is left as it is; in the tight zone only tokens with a certified
+    completion within the tokens left stay.  The row is a function of the history, so the batched and the
+    sequential loop see the same row (what vLLM's structured-output bitmask gets, ``specgrammar_vllm.budget_mask``);
+    our loop instead re-draws a token that does not fit (``Budget.draw``)."""
+
+    def __init__(self, budget):
+        self.budget = budget
+
+    def restrict(self, row, generated) -> bool:
+        return self.budget.mask_row(row, generated)
+
+
+class PromptCounter:
+    """Counts a request's prompt tokens as the server will (its chat template), in the handler thread, on a copy
+    of the server's tokenizer (the generation thread's own is not shared across threads), one at a time."""
+
+    def __init__(self, tokenizer, template_args: dict | None = None):
+        self.tok = copy.deepcopy(tokenizer)
+        self.template_args = dict(template_args or {})
+        self.lock = threading.Lock()
+
+    def __call__(self, body: dict) -> int:
+        with self.lock:
+            try:
+                if "messages" not in body:
+                    return len(self.tok.encode(body["prompt"]))
+                return len(self._chat(body))
+            except RequestError:
+                raise
+            except Exception as e:  # the template refused the messages (jinja's raise_exception, a TypeError)
+                reason = str(e).strip().splitlines()[0][:200] if type(e).__name__ == "TemplateError" else ""
+                raise RequestError("messages cannot be formatted with the model's chat template"
+                                   + (f": {reason}" if reason else ""), field="messages") from None
+
+    def _chat(self, body: dict) -> list[int]:
+        messages = [dict(m) for m in body["messages"]]
+        for m in messages:  # content parts -> their text (images are counted by the host's own processor)
+            if isinstance(m.get("content"), list):
+                m["content"] = "".join(p.get("text", "") for p in m["content"] if isinstance(p.get("text"), str))
+        if not getattr(self.tok, "has_chat_template", False):
+            text = "\n".join(str(m.get("content") or "") for m in messages)
+            return self.tok.encode(text)
+        kwargs = dict(self.template_args)
+        if isinstance(body.get("chat_template_kwargs"), dict):
+            kwargs.update(body["chat_template_kwargs"])
+        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tools=body.get("tools") or None,
+                                            tokenize=True, **kwargs)
+
+
+def served_names(model: str | None) -> list[str]:
+    """The names a request may give its ``model``: ``default_model``, the model as given and as a resolved path."""
+    names = ["default_model"]
+    if model:
+        names.append(model)
+        if Path(model).exists():
+            names.append(str(Path(model).resolve()))
+    return names
+
+
+_TOKINFO: dict[tuple[int, int], tuple[object, TokenizerInfo]] = {}
+
+
+def tokenizer_info(tokenizer, width: int) -> TokenizerInfo:
+    """``TokenizerInfo`` of a host's tokenizer wrapper (its Hugging Face tokenizer at ``_tokenizer``) or of a
+    Hugging Face tokenizer, masks padded to ``width``; every EOS id the wrapper knows (``eos_token_ids``) is a stop
+    token.  Cached per tokenizer object."""
+    key = (id(tokenizer), int(width))
+    hit = _TOKINFO.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    eos_ids = sorted(int(i) for i in (getattr(tokenizer, "eos_token_ids", None) or ()))
+    kw = {}
+    if getattr(hf, "eos_token_id", None) is None and eos_ids:
+        kw["eos_token"] = eos_ids[0]
+    info = TokenizerInfo.from_hf(hf, vocab_size=None, stop_tokens=eos_ids, **kw)
+    n = len(info.token_bytes)
+    info = info.with_vocab_size(max(int(width), n)) if width else info
+    _TOKINFO[key] = (tokenizer, info)
+    return info
+
+
+def compile_for(constraint, tokenizer, width: int, engine: str | None = None) -> CompiledConstraint:
+    """A ``ConstraintSpec`` (or an already compiled constraint) compiled for this tokenizer at ``width``."""
+    if isinstance(constraint, CompiledConstraint):
+        if constraint.tokenizer.vocab_size < width:
+            raise ValueError(f"the constraint was compiled for {constraint.tokenizer.vocab_size} tokens but the model "
+                             f"outputs {width}")
+        return constraint
+    if not isinstance(constraint, ConstraintSpec):
+        raise TypeError(f"constraint must be a ConstraintSpec or CompiledConstraint, got {type(constraint).__name__}")
+    return compile_constraint(constraint, tokenizer_info(tokenizer, width), engine=engine)
+
+
+def stop_ids(tokenizer, tokinfo) -> tuple[int, ...]:
+    """A request's stop tokens: the tokenizer's EOS ids and the constraint's (``TokenizerInfo``) stop ids."""
+    eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+    return tuple(sorted(eos | set(tokinfo.stop_token_ids)))
+
+
+def sampling_params(temperature: float | None = None, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                    temp: float | None = None) -> SamplingParams:
+    t = temperature if temperature is not None else (temp if temp is not None else 0.0)
+    return SamplingParams(temperature=float(t), top_k=int(top_k or 0), top_p=float(top_p if top_p else 1.0),
+                          min_p=float(min_p or 0.0))
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """A prompt's ids: text encoded (with the special tokens unless it starts with BOS), an array's ids, a list."""
+    if isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        return list(tokenizer.encode(prompt, add_special_tokens=add_special))
+    if hasattr(prompt, "tolist"):
+        return [int(t) for t in prompt.tolist()]
+    return [int(t) for t in prompt]
+
+
+def wait_for(get: Callable[[], object], loading: Callable[[], bool], started: threading.Event,
+             timeout: float = 120.0):
+    """``get()`` once it is not None, waiting while ``loading()`` says it is coming (a model that loads on another
+    thread at start-up; requests may arrive before it is ready).  Only then: once it was seen, a later call never
+    waits (a value that is missing later, after a failed load, must not stall every request for ``timeout``)."""
+    t0 = time.monotonic()
+    while not started.is_set() and get() is None and loading():
+        if time.monotonic() - t0 > timeout:
+            break
+        time.sleep(0.05)
+    value = get()
+    if value is not None:
+        started.set()
+    return value
+
+
+LISTEN_BACKLOG = 128
+
+
+def widen_listen_backlog() -> None:
+    """``http.server.ThreadingHTTPServer`` keeps socketserver's default listen backlog of 5: a burst of more
+    simultaneous connections (32 in tests/test_concurrency.py) got connection resets before any handler ran.
+    Widening the class's backlog before the server is built applies to it (``SPECGRAMMAR_LISTEN_BACKLOG``,
+    default 128)."""
+    from http.server import ThreadingHTTPServer
+
+    backlog = int(os.environ.get("SPECGRAMMAR_LISTEN_BACKLOG", LISTEN_BACKLOG))
+    if ThreadingHTTPServer.request_queue_size < backlog:
+        ThreadingHTTPServer.request_queue_size = backlog
+
+
+def logged(gen, log: logging.Logger):
+    """``gen``'s responses, the final one's ``stats`` (tokens, target passes, acceptance, budget) logged."""
+    try:
+        for r in gen:
+            if r.stats is not None:
+                st = r.stats
+                log.info("specgrammar: %d tokens, %d target passes (%.2f tokens/pass), acceptance %.2f, forced %d%s",
+                         st.emitted, st.target_passes, st.tokens_per_pass, st.acceptance, st.forced_tokens,
+                         f", budget {st.budget['budget']} shaped {st.budget['shaped_positions']} positions"
+                         if st.budget.get("shaped") else "")
+            yield r
+    finally:
+        gen.close()
