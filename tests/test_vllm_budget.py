@@ -149,7 +149,8 @@ def test_output_law_at_t1_is_plain_decodings_under_grammar_and_budget(engines):
 
 
 def test_the_launchers_gate_refuses_what_cannot_fit_with_a_400_naming_the_length(monkeypatch):
-    from specgrammar_vllm.serve import Refused, gate_body
+    from specgrammar_plugins.api import Refused
+    from specgrammar_vllm.serve import gate_body
 
     monkeypatch.setenv(budget_mask.TOKENIZER_ENV, str(tiny_path("target")))
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "regex": "[0-9]{20}"}

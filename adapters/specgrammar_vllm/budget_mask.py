@@ -416,25 +416,36 @@ _GATE: dict = {}
 
 def gate_check(spec, options, max_tokens: int | None) -> None:
     """The launcher's up-front refusal (``BudgetError``, a 400 naming the length) of a request whose shortest
-    completion does not fit in ``max_tokens``: compiled by our engine for the served tokenizer
-    (``SPECGRAMMAR_VLLM_TOKENIZER``, set by the launcher) under the core's preparation deadline.  Without a
-    tokenizer or a max_tokens nothing is checked here (the engine still applies the mask)."""
-    from specgrammar_plugins.api import check_budget, compile_constraint
+    completion does not fit in ``max_tokens``: compiled by our engine for the served tokenizer (``gate_compile``)
+    under the core's preparation deadline.  Without a tokenizer or a max_tokens nothing is checked here (the engine
+    still applies the mask)."""
+    from specgrammar_plugins.api import check_budget
+
+    if not os.environ.get(TOKENIZER_ENV) or max_tokens is None or options.budget_mask is False or not enabled():
+        return
+    check_budget(gate_compile(spec), options, int(max_tokens))
+
+
+def gate_compile(spec):
+    """``spec`` compiled strictly for the served tokenizer (``SPECGRAMMAR_VLLM_TOKENIZER``, set by the launcher)
+    with the engine of vLLM's backend (``SPECGRAMMAR_VLLM_ENGINE``, from ``--structured-outputs-config``; xgrammar
+    by default, in its strict mode as vLLM 0.32 compiles), under the request's deadline, in a compile worker the
+    launcher runs (``compile_isolation="process"``: killed at the deadline or past its memory limit).  None
+    without a tokenizer (a model vLLM loads from a hub name: vLLM's backend alone then decides)."""
+    from specgrammar_plugins.api import compile_constraint
 
     name = os.environ.get(TOKENIZER_ENV)
-    if not name or max_tokens is None or options.budget_mask is False or not enabled():
-        return
+    if spec is None or not name:
+        return None
     engine = os.environ.get(ENGINE_ENV, "xgrammar")
-    tok = _GATE.get((name, engine))
+    tok = _GATE.get((name, engine))  # one tokenizer table per process
     if tok is None:
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(name)
-        vocab = _vocab_size(name, hf)
-        tok = _GATE[(name, engine)] = grammar_tokenizer(hf, vocab, engine)
-    opts = {"xgrammar_strict_mode": True} if engine == "xgrammar" else {}
-    compiled = compile_constraint(spec, tok, engine=engine, **opts)
-    check_budget(compiled, options, int(max_tokens))
+        tok = _GATE[(name, engine)] = grammar_tokenizer(hf, _vocab_size(name, hf), engine)
+    return compile_constraint(spec, tok, engine=engine, **({"xgrammar_strict_mode": True} if engine == "xgrammar"
+                                                             else {}))
 
 
 def _vocab_size(name: str, hf) -> int:

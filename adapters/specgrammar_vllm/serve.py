@@ -19,15 +19,16 @@ CPU; GPUs with Triton default to Model Runner V2, whose draft-model speculator i
 
 The launcher also adds two ASGI middlewares (``SPECGRAMMAR_VLLM_MIDDLEWARE=0`` leaves them out):
 
-- ``StreamErrorsAs400``: vLLM 0.32 answers a *streaming* request whose constraint is invalid with HTTP 200 and an
-  error event (``data: {"error": {..., "code": 400}}``), where the same request without ``stream`` gets a 400.
-  The middleware holds a streaming response's headers until its first event and, when that event is a 4xx
-  error, sends the error as a plain JSON response with its status instead.
-- ``SpecgrammarGate``: the core's request gate (``check_request``) on every completion request, and the request
-  spellings vLLM 0.32 ignores (top-level ``regex`` / ``grammar`` / ``json_schema`` / ``choice``, ``guided_*``,
-  ``response_format`` of type regex / grammar, a top-level ``specgrammar`` object) rewritten into what it reads
-  (``structured_outputs``, ``vllm_xargs``); see ``gate_body``.  Every constraint is compiled there by our strict
-  compiler as vLLM's backend will read it, and vLLM is handed the form it enforces exactly (issue 33).
+- ``StreamErrorsAs400`` (the core's, ``api``): vLLM 0.32 answers a *streaming* request whose constraint is
+  invalid with HTTP 200 and an error event (``data: {"error": {..., "code": 400}}``), where the same request
+  without ``stream`` gets a 400.  The middleware holds a streaming response's headers until its first event and,
+  when that event is a 4xx error, sends the error as a plain JSON response with its status instead.
+- ``SpecgrammarGate`` (over the core's ``api.BodyGate``): the core's request gate (``check_request``) on every
+  completion request, and the request spellings vLLM 0.32 ignores (top-level ``regex`` / ``grammar`` /
+  ``json_schema`` / ``choice``, ``guided_*``, ``response_format`` of type regex / grammar, a top-level
+  ``specgrammar`` object) rewritten into what it reads (``structured_outputs``, ``vllm_xargs``); see
+  ``gate_body``.  Every constraint is compiled there by our strict compiler as vLLM's backend will read it, and
+  vLLM is handed the form it enforces exactly (issue 33).
 """
 
 from __future__ import annotations
@@ -58,15 +59,11 @@ def install_version_shim() -> None:
         metadata.version = _version
 
 
-MIDDLEWARE = ("specgrammar_vllm.serve.StreamErrorsAs400",
+MIDDLEWARE = ("specgrammar_plugins.api.StreamErrorsAs400",  # host-neutral ASGI (the core's asgi.py)
               "specgrammar_vllm.serve.SpecgrammarGate")
 
 # the OpenAI routes whose bodies the gate reads (everything else passes through untouched)
 GATED_PATHS = ("/v1/chat/completions", "/v1/completions")
-BODY_TIMEOUT_S = float(os.environ.get("SPECGRAMMAR_BODY_TIMEOUT_S", 30.0))
-# the largest request body the gate reads (a larger one is a 413 before it is read whole; a constraint in it still
-# has its own limit, SPECGRAMMAR_MAX_CONSTRAINT_BYTES)
-MAX_BODY_BYTES = int(os.environ.get("SPECGRAMMAR_MAX_BODY_BYTES", 64 << 20))
 # the proposer's recipes_dir (--additional-config), for the gate in the API server process(es)
 RECIPES_ENV = "SPECGRAMMAR_VLLM_RECIPES_DIR"
 # the names the server serves (a JSON list, set by main from --served-model-name / the model): the gate's 404s
@@ -89,29 +86,12 @@ def vllm_host():
     return Host("the vLLM launcher", honours=HONOURED, n=True, prompt_types=(), models=models)
 
 
-async def _send_error(send, status: int, err: dict) -> None:
-    payload = json.dumps({"error": err}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
-    await send({"type": "http.response.body", "body": payload, "more_body": False})
-
-
-class Refused(Exception):
-    """A request the gate answers itself: ``status`` and an OpenAI-style error naming ``param``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def error(self) -> dict:
-        kind = "NotFoundError" if self.status == 404 else "BadRequestError"
-        return {"message": self.message, "type": kind, "param": self.param, "code": self.status}
-
-
 def _xargs_options(body: dict) -> dict | None:
     """``vllm_xargs.specgrammar`` (vLLM's extension field: strings, numbers and lists only, so options arrive as a
     JSON string of an object), as an object; a value that is not one is refused.  Before the launcher checked it,
     a non-object there killed vLLM's EngineCore (the proposer called ``.items()`` on it)."""
+    from specgrammar_plugins.api import Refused
+
     xargs = body.get("vllm_xargs")
     if not isinstance(xargs, dict) or "specgrammar" not in xargs:
         return None
@@ -161,7 +141,7 @@ def warm_up() -> None:
     for it (``WARM``), outside their deadline."""
     from specgrammar_plugins.api import COMPILE_POOL, LIMITS, ConstraintSpec, SpecOptions
 
-    from .budget_mask import gate_check
+    from .budget_mask import gate_check, gate_compile
 
     try:
         for spec in (ConstraintSpec.regex("[0-9]{2}"), ConstraintSpec.json_schema({"type": "integer"})):
@@ -179,18 +159,9 @@ def warm_up() -> None:
 
 
 def _gate_body(raw: bytes, deadline) -> bytes | None:
-    from specgrammar_plugins.api import SpecGrammarError, check_request, resolve_pack_name
+    from specgrammar_plugins.api import Refused, SpecGrammarError, check_request, json_object, resolve_pack_name
 
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-    except RecursionError:
-        raise Refused(400, "The request body is nested too deeply", "body") from None
-    except UnicodeDecodeError as e:
-        raise Refused(400, f"The request body is not valid UTF-8 (byte {e.start})", "body") from None
-    except ValueError as e:
-        raise Refused(400, f"Invalid JSON in request body: {e}", "body") from None
-    if not isinstance(body, dict):
-        raise Refused(400, "Request should be a JSON object", "body")
+    body = json_object(raw)
     xopts = _xargs_options(body)
     if xopts is not None and body.get("specgrammar") is not None:
         raise Refused(400, "give specgrammar options once: a top-level \"specgrammar\" object or "
@@ -226,10 +197,6 @@ def _gate_body(raw: bytes, deadline) -> bytes | None:
     return json.dumps(body).encode() if changed else None
 
 
-def _refuse_constant(name):
-    raise ValueError(f"{name} is not a valid JSON value")
-
-
 def _fits(spec, checked) -> None:
     """A constraint that cannot end within max_tokens: 400 naming its length (``budget_mask.gate_check``), for
     ``spec`` in the form vLLM reads, which the engine's budget (``budget_mask.build``) certifies again: the gate
@@ -250,9 +217,9 @@ def _fits(spec, checked) -> None:
 
 def enforced_form(body: dict, spec):
     """The request's constraint as vLLM's structured-output backend will read it, compiled by our strict compiler
-    for the served tokenizer with that backend's engine and options (``gate_compile``), so that what the engine
-    refuses or would not enforce is a 400 here naming it (a schema's ``oneOf`` came back violated: vLLM's xgrammar
-    reads it as ``anyOf``), never an invalid output, a 500 or a wedged engine.  Returns the ``structured_outputs``
+    for the served tokenizer with that backend's engine and options (``budget_mask.gate_compile``), so that what
+    the engine refuses or would not enforce is a 400 here naming it (a schema's ``oneOf`` came back violated:
+    vLLM's xgrammar reads it as ``anyOf``), never an invalid output, a 500 or a wedged engine.  Returns the ``structured_outputs``
     vLLM is to be handed (None: the body's own, unchanged) and the constraint as vLLM reads it: our spellings rewritten into vLLM's (``response_format``
     json_schema too, so a schema without vLLM's required ``"name"`` is served), a llama.cpp GBNF grammar as the
     xgrammar EBNF our engine compiles (``root ::= "a" |`` was a 500 in vLLM's own parser), a JSON Schema in its
@@ -261,6 +228,7 @@ def enforced_form(body: dict, spec):
 
     from specgrammar_plugins.api import normalize_gbnf
 
+    from .budget_mask import gate_compile
     from .structured import params_from_spec, spec_from_params
 
     given = body.get("structured_outputs")
@@ -278,153 +246,24 @@ def enforced_form(body: dict, spec):
     return (so if changed else None), vspec
 
 
-def gate_compile(spec):
-    """``spec`` compiled strictly for the served tokenizer (``SPECGRAMMAR_VLLM_TOKENIZER``) with the engine of
-    vLLM's backend (``SPECGRAMMAR_VLLM_ENGINE``, from ``--structured-outputs-config``; xgrammar by default, in its
-    strict mode as vLLM 0.32 compiles), under the request's deadline, in a compile worker the launcher runs
-    (``compile_isolation="process"``: killed at the deadline or past its memory limit).  None without a
-    tokenizer (a model vLLM loads from a hub name: vLLM's backend alone then decides)."""
-    from specgrammar_plugins.api import compile_constraint
-
-    from . import budget_mask as bm
-
-    name = os.environ.get(bm.TOKENIZER_ENV)
-    if spec is None or not name:
-        return None
-    engine = os.environ.get(bm.ENGINE_ENV, "xgrammar")
-    tok = bm._GATE.get((name, engine))  # (shared with budget_mask.gate_check: one tokenizer table per process)
-    if tok is None:
-        from transformers import AutoTokenizer
-
-        hf = AutoTokenizer.from_pretrained(name)
-        tok = bm._GATE[(name, engine)] = bm.grammar_tokenizer(hf, bm._vocab_size(name, hf), engine)
-    return compile_constraint(spec, tok, engine=engine, **({"xgrammar_strict_mode": True} if engine == "xgrammar"
-                                                             else {}))
-
-
 class SpecgrammarGate:
     """ASGI middleware: every completion request goes through the core's gate (``gate_body``) before vLLM sees
-    it; a refused one is answered with its status and an OpenAI-style error naming the field, the others are
-    replayed to vLLM (rewritten where the gate rewrote them).  Bodies that are not JSON (415 for another
-    Content-Type, 400 for invalid UTF-8 / JSON / nesting) and bodies that do not arrive within
-    ``SPECGRAMMAR_BODY_TIMEOUT_S`` (408) are answered here too."""
+    it: the core's ``api.BodyGate`` on ``GATED_PATHS`` (bodies that are not JSON, too large or too slow to arrive,
+    and refused requests are answered there with their status and an OpenAI-style error naming the field; the
+    others are replayed to vLLM, rewritten where the gate rewrote them).  Starts the gate's warm-up."""
 
     def __init__(self, app):
+        from specgrammar_plugins.api import BodyGate
+
         from .budget_mask import TOKENIZER_ENV
 
-        self.app = app
+        self.gate = BodyGate(app, gate_body, GATED_PATHS, "vllm.specgrammar")
         if os.environ.get(TOKENIZER_ENV):  # the served tokenizer is known: warm the gate up
             WARM.clear()
             threading.Thread(target=warm_up, name="specgrammar-gate-warm-up", daemon=True).start()
 
     async def __call__(self, scope, receive, send):
-        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in GATED_PATHS:
-            return await self.app(scope, receive, send)
-        import asyncio
-
-        headers = dict(scope.get("headers") or [])
-        ctype = headers.get(b"content-type")
-        if ctype is not None and ctype.split(b";")[0].strip().lower() != b"application/json":
-            media = ctype.split(b";")[0].strip().decode("latin-1")
-            return await _send_error(send, 415, Refused(415, f"Content-Type must be application/json, got {media!r}",
-                                                        "content-type").error())
-        too_large = Refused(413, f"The request body is larger than {MAX_BODY_BYTES} bytes (the limit, "
-                                 "SPECGRAMMAR_MAX_BODY_BYTES)", "body").error()
-        length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > MAX_BODY_BYTES:  # refused before a byte of it is read
-            return await _send_error(send, 413, too_large)
-        chunks, size = [], 0
-        end = asyncio.get_running_loop().time() + BODY_TIMEOUT_S  # a deadline for the whole body, not per chunk
-        try:
-            while True:
-                msg = await asyncio.wait_for(receive(), max(0.0, end - asyncio.get_running_loop().time()))
-                if msg["type"] != "http.request":
-                    return None  # the client went away
-                chunks.append(msg.get("body", b""))
-                size += len(chunks[-1])
-                if size > MAX_BODY_BYTES:
-                    return await _send_error(send, 413, too_large)
-                if not msg.get("more_body"):
-                    break
-        except asyncio.TimeoutError:
-            return await _send_error(send, 408, Refused(
-                408, f"The request body did not arrive within {BODY_TIMEOUT_S:g} s", "body").error())
-        body = b"".join(chunks)
-        try:
-            new = await asyncio.to_thread(gate_body, body)  # (compiles for the budget check: off the event loop)
-        except Refused as r:
-            return await _send_error(send, r.status, r.error())
-        except Exception:  # never a closed connection: whatever failed in the gate, the client gets an answer
-            import logging
-
-            logging.getLogger("vllm.specgrammar").exception("specgrammar: the request gate failed")
-            return await _send_error(send, 500, Refused(500, "internal error in the specgrammar gate (see the "
-                                                        "server log)").error())
-        if new is not None:
-            body = new
-            scope = dict(scope, headers=[(k, v) for k, v in scope.get("headers") or [] if k != b"content-length"]
-                         + [(b"content-length", str(len(body)).encode())])
-        pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-        async def replay():
-            return pending.pop() if pending else await receive()
-
-        return await self.app(scope, replay, send)
-
-
-def _leading_error(body: bytes) -> dict | None:
-    """The error of a server-sent-events body whose first event is ``data: {"error": {... "code": 4xx}}``."""
-    if not body.startswith(b"data:"):
-        return None
-    try:
-        event = json.loads(body.split(b"\n\n", 1)[0][5:])
-    except ValueError:
-        return None
-    err = event.get("error") if isinstance(event, dict) else None
-    if isinstance(err, dict) and isinstance(err.get("code"), int) and 400 <= err["code"] < 500:
-        return err
-    return None
-
-
-class StreamErrorsAs400:
-    """ASGI middleware: a streaming response whose first event is a 4xx error becomes that error's status and
-    JSON body (see the module docstring); every other response passes through unchanged."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope.get("type") != "http" or scope.get("method") != "POST":
-            return await self.app(scope, receive, send)
-        state = {"mode": "undecided", "start": None}
-
-        async def relay(msg):
-            mode = state["mode"]
-            if mode == "pass":
-                return await send(msg)
-            if mode == "swallow":
-                return None
-            if msg["type"] == "http.response.start":
-                ctype = dict(msg.get("headers") or []).get(b"content-type", b"")
-                if msg.get("status") == 200 and ctype.startswith(b"text/event-stream"):
-                    state["start"] = msg  # held until the first event
-                    return None
-                state["mode"] = "pass"
-                return await send(msg)
-            if msg["type"] == "http.response.body" and state["start"] is not None:
-                body = msg.get("body", b"")
-                if not body and msg.get("more_body"):
-                    return None
-                err = _leading_error(body)
-                if err is None:
-                    state["mode"] = "pass"
-                    await send(state["start"])
-                    return await send(msg)
-                state["mode"] = "swallow"
-                return await _send_error(send, err["code"], err)
-            return await send(msg)
-
-        return await self.app(scope, receive, relay)
+        return await self.gate(scope, receive, send)
 
 
 OURS = ("--grammar-spec", "--grammar-draft")
