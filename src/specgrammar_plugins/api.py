@@ -17,6 +17,9 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
   ``normalize_gbnf``: a llama.cpp GBNF grammar as xgrammar's EBNF reads it (the text our xgrammar engine compiles);
   ``give_back_memory()``: after costly work the host runs outside ``prepare_deadline`` (vLLM's own grammar
   compile), the memory glibc's arenas kept handed back to the system (``heap``);
+- the gate over HTTP, for hosts served over ASGI (``asgi``): ``BodyGate`` (reads a request's body under limits and
+  runs the host's gate on it), ``Refused`` (a request the gate answers itself), ``json_object``,
+  ``StreamErrorsAs400`` (a streaming response's leading 4xx error sent as that status);
 - ``resolve_model``: a model by name (``smollm2-135m``, ``tiny``, ...) or path -> what a host loads (a GGUF for
   ``llama_cpp``, a transformers folder for ``mlx_lm`` / ``vllm``; ``models.real``), ``is_model_name``,
   ``ModelNotInstalled``, ``UnknownModelError``;
@@ -42,6 +45,7 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
 
 from __future__ import annotations
 
+from .asgi import BodyGate, Refused, StreamErrorsAs400, json_object
 from .batch import (COUNTERS as BATCH_COUNTERS, DRAFT_CONFIDENCE, GREEDY_T, REFUSED_DRAFTS, BatchDrafter, BatchLoop,
                     DraftPending, DraftRow, EnoughDrafts, Plan, RequestState, RequestTable, Row, RowRunner, Step,
                     draft_confidence_option, draft_rows, refused_drafts_option)
@@ -76,6 +80,7 @@ from .unidiff import FilePatch, Hunk, PatchError, apply as apply_diff, parse_dif
 from .verify import Verdict, verify_block
 
 __all__ = [
+    "BodyGate", "Refused", "StreamErrorsAs400", "json_object",
     "BATCH_COUNTERS", "BatchDrafter", "BatchLoop", "RowRunner", "DraftRow", "DraftPending", "draft_rows", "DRAFT_CONFIDENCE", "EnoughDrafts", "GREEDY_T", "HiddenStatesRunner", "Plan",
     "REFUSED_DRAFTS", "RequestState", "RequestTable", "Row", "Step", "draft_confidence_option", "refused_drafts_option",
     "BudgetError", "COMPILE_CACHE", "COMPILE_POOL", "Checked", "Commit", "CompiledConstraint", "ConstraintError", "ConstraintSpec", "DEFAULT_DRAFTERS",
