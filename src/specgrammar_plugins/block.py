@@ -49,6 +49,13 @@ class HiddenStatesRunner(ModelRunner, Protocol):
         """``forward``, and the hidden states [m, hidden_size] of the same ``m`` positions (the host's tensors)."""
 
 
+# The forced drafter's sources (``drafters.ForcedDrafter``): its single-token walk (the grammar's own tokens) and its
+# tokenized jump-forward string (forced bytes, which the model may split otherwise).  Both leave the block's budget
+# to drafts that may be rejected, and both count as forced tokens (``loop.Stats.forced_tokens``).
+FORCED_JUMP = "forced-jump"
+FORCED_SOURCES = ("forced", FORCED_JUMP)
+
+
 class DraftBlock:
     """One round's drafts: tokens, their proposal laws (None = one-hot) and sources, plus the masks (and tilts)
     of every position, computed once here and reused by verification.
@@ -218,7 +225,7 @@ class DraftBlock:
                     self.matched += 1
                 else:
                     self.dead = True
-        if source in ("forced", "forced-jump") and self.n_free < self.capacity - self.budget:
+        if source in FORCED_SOURCES and self.n_free < self.capacity - self.budget:
             self.n_free += 1  # the grammar's own token: it leaves the budget to drafts that may be rejected
         tokens.append(token)
         self.laws.append(law)

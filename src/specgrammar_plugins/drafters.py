@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import laws
-from .block import DraftBlock, Drafter, ModelRunner
+from .block import FORCED_JUMP, FORCED_SOURCES, DraftBlock, Drafter, ModelRunner
 from .distributions import SamplingParams
 from .masks import single_allowed
 from .prefix import common_prefix_len
@@ -55,10 +55,6 @@ def push_run(block: DraftBlock, run: Sequence[int], source: str) -> int:
             break
         n += 1
     return n
-
-
-FORCED_JUMP = "forced-jump"  # the source of the tokenized jump-forward string (``ForcedDrafter``): forced bytes, not
-# forced tokens, so the model may split them otherwise; counted apart so its acceptance can be read
 
 
 class ForcedDrafter:
@@ -267,7 +263,7 @@ class _Gated:
 
     def push(self, token: int, law=None, source: str = "model", *, check: bool = True) -> bool:
         b = self._block
-        if law is None and source not in (ChainDrafter.FORCED, FORCED_JUMP) and not b.done and b.allows(token) and \
+        if law is None and source not in FORCED_SOURCES and not b.done and b.allows(token) and \
                 self._model.prob(b, token) < self._floor:
             self.refused += 1
             return False

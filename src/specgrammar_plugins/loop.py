@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from . import laws
-from .block import DraftBlock, Drafter, ModelRunner, fill
+from .block import FORCED_SOURCES, DraftBlock, Drafter, ModelRunner, fill
 from .constraint import CompiledConstraint, Matcher
 from .distributions import SamplingParams, log_law, sample_u
 from .drafters import observe
@@ -59,7 +59,7 @@ class Stats:
 
     @property
     def forced_tokens(self) -> int:
-        return self.accepted_by_source.get("forced", 0) + self.accepted_by_source.get("forced-jump", 0)
+        return sum(self.accepted_by_source.get(s, 0) for s in FORCED_SOURCES)
 
     @property
     def acceptance(self) -> float:

@@ -26,6 +26,7 @@ import argparse
 import sys
 import time
 
+from ..block import FORCED_SOURCES
 from . import _report as R
 from ._hosts import HOSTS, Strategy
 from .strategies import run
@@ -47,8 +48,7 @@ def add_shares(rows: list[dict]) -> list[dict]:
         tok = r["tokens"] or 1
         have = drafters.get(r["strategy"], ())
         r["coverage"] = src.get("recipe", 0) / tok if "recipe" in have else None
-        forced = src.get("forced", 0) + src.get("forced-jump", 0)  # (the forced drafter's walk and jump string)
-        r["forced_share"] = forced / tok if "forced" in have else None
+        r["forced_share"] = sum(src.get(s, 0) for s in FORCED_SOURCES) / tok if "forced" in have else None
         r["model_share"] = src.get("model", 0) / tok if "model" in have else None
         r["accuracy_vs_greedy"] = r["same_as_baseline"] / r["n"]
     return rows
