@@ -180,9 +180,11 @@ def test_a_faulting_row_fails_only_itself(tiny):
         assert loops[i].emitted == _plain(model, tok, reqs[i])
 
 
-def test_rollback_keeps_each_row_at_its_own_length(tiny):
+@pytest.mark.parametrize("masked", [True, False], ids=["by-mask", "by-shift"])
+def test_rollback_keeps_each_row_at_its_own_length(tiny, masked):
     """After rounds whose rows kept different numbers of positions, each cache row holds exactly its own tokens:
-    the next pass's logits of each row equal those of the row alone."""
+    the next pass's logits of each row equal those of the row alone (rows dropping by the mask,
+    ``MaskedBatchKVCache``, and by shifting keys into the left padding, ``drop_rows`` on a ``BatchKVCache``)."""
     import mlx.core as mx
 
     from specgrammar_mlx_lm.batch import MLXBatchTarget
@@ -190,7 +192,7 @@ def test_rollback_keeps_each_row_at_its_own_length(tiny):
 
     model, _, tok = tiny
     prompts = [prompt_ids(tok, p) for p in ("Say hello", "Name a colour", "Make up a code of 3 digits")]
-    target = MLXBatchTarget(model)
+    target = MLXBatchTarget(model, masked=masked)
     for p in prompts:
         target.add(p[:-1])
     held = [list(p[:-1]) for p in prompts]
@@ -206,3 +208,47 @@ def test_rollback_keeps_each_row_at_its_own_length(tiny):
     for h, row in zip(held, rows):
         alone = MLXRunner(model).forward([*h, 5])[-1]
         assert mx.allclose(row[-1], alone, atol=1e-4).item()
+
+
+def test_masked_rows_join_leave_and_extract_as_rows_alone(tiny):
+    """``MaskedBatchKVCache`` (what the batched rows' target and draft caches are): through rounds of uneven feeds
+    and drops, a row joining mid-way (``extend``) and one leaving (``filter``), every pass's logits of every row
+    equal the row alone's; a dropped tail that no row attends is cut (the cache does not grow by the padding); and
+    a row's extracted cache (what the server keeps as the request's prompt cache) holds exactly its tokens."""
+    import mlx.core as mx
+
+    from specgrammar_mlx_lm.batch import MLXBatchTarget, _MaskedRows
+    from specgrammar_mlx_lm.runner import MLXRunner
+
+    model, draft, tok = tiny
+    prompts = [prompt_ids(tok, p) for p in ("Say hello", "Name a colour", "Make up a code of 3 digits", "Count")]
+    for m in (model, draft):
+        target = MLXBatchTarget(m)
+        held = []
+        for p in prompts[:3]:
+            target.add(p[:-1])
+            held.append(list(p[:-1]))
+        assert all(isinstance(c, _MaskedRows) for c in target.cache)
+        rng = np.random.default_rng(1)
+        for rnd in range(6):
+            if rnd == 2:  # a row joins
+                target.add(prompts[3][:-1])
+                held.append(list(prompts[3][:-1]))
+            if rnd == 4:  # row 0 leaves
+                target.remove(list(range(1, len(held))))
+                held = held[1:]
+            feeds = [[int(t) for t in rng.integers(3, 200, size=int(rng.integers(1, 5)))] for _ in held]
+            rows = target.forward(feeds)
+            for h, f, row in zip(held, feeds, rows):
+                alone = MLXRunner(m).forward([*h, *f], logits_for=len(f))
+                assert mx.allclose(row, alone, atol=1e-4).item()
+            kept = [int(rng.integers(1, len(f) + 1)) for f in feeds]
+            target.rollback(kept)
+            for h, f, k in zip(held, feeds, kept):
+                h.extend(f[:k])
+        c = target.cache[0]
+        assert c.live.shape == (len(held), c._idx) and c.live[:, -1].any()  # the dead tail was cut
+        assert c.live.sum(axis=1).tolist() == [len(h) for h in held]
+        for i, h in enumerate(held):
+            runner = MLXRunner(m, [x.extract(i) for x in target.cache], list(h))
+            assert mx.allclose(runner.forward([5])[-1], MLXRunner(m).forward([*h, 5])[-1], atol=1e-4).item()

@@ -10,11 +10,13 @@ rows in one forward of the target (``MLXBatchTarget``: the rows padded on the ri
 ``BatchKVCache``), lets each row's loop verify its own logits rows (the same accept/residual law, budget and
 rollback as the serial loop), and then rolls each row's cache back to what the row kept.
 
-Per-row rollback on ``BatchKVCache`` (mlx-lm 0.32.2: its ``trim`` is one length for the whole batch): trim by the
-smallest drop of the round, then shift each row whose drop is larger right by the rest, adding it to the row's left
-padding (``prepare(right_padding=...)`` + ``finalize()``, the way mlx-lm itself turns a right-padded prompt into
-left padding).  The row's ``offset`` (its RoPE position) falls by what it dropped, and the mask hides the shifted
-part.  Rows that finish or fail leave the batch (``BatchKVCache.filter``).
+Per-row rollback (mlx-lm 0.32.2's ``BatchKVCache.trim`` is one length for the whole batch): the batch caches are
+``MaskedBatchKVCache`` (a ``BatchKVCache`` whose attention mask is kept per row and position), so a row drops its
+last positions by hiding them from later queries and lowering its RoPE offset by as many; no keys move, and the
+tail that no row attends any more is cut (``drop_masked``).  On a plain ``BatchKVCache`` (``masked=False``)
+``drop_rows`` trims by the smallest drop and shifts each row that drops more right into its left padding
+(``prepare(right_padding=...)`` + ``finalize()``): a gather through the whole cache per layer, which on the tiny
+pair cost about what a draft pass does.  Rows that finish or fail leave the batch (``filter``).
 
 Drafting is per row (each row's own chain: forced tokens, recipes, then the draft model, or without one the
 model-free layout, prompt copy, suffix).  With a draft model the rows' draft models are one batched pass per draft
@@ -59,6 +61,9 @@ def drop_rows(cache: list, drops: list[int]) -> None:
     its offset falls by it, the mask hides it)."""
     import mlx.core as mx
 
+    if isinstance(cache[0], _MaskedRows):
+        drop_masked(cache, drops)
+        return
     low = min(drops)
     extra = [d - low for d in drops]
     for c in cache:
@@ -70,14 +75,136 @@ def drop_rows(cache: list, drops: list[int]) -> None:
     mx.eval([c.state for c in cache])
 
 
+def _masked_cache_class():
+    """``MaskedBatchKVCache``, built once over this process's ``mlx_lm`` ``BatchKVCache``."""
+    global _MASKED
+    if _MASKED is None:
+        from mlx_lm.models.cache import BatchKVCache
+
+        _MASKED = type("MaskedBatchKVCache", (_MaskedRows, BatchKVCache), {"__doc__": _MaskedRows.__doc__})
+    return _MASKED
+
+
+_MASKED = None
+
+
+class _MaskedRows:
+    """A ``BatchKVCache`` whose rows drop positions without moving keys (``drop``): a dropped position stays where
+    it is, hidden from every later query by the mask (``make_mask``: per row, the positions it still attends,
+    ``live``), and the row's RoPE offset falls by what it dropped, so its next tokens get the positions they would
+    get after ``drop_rows``' shift (the same keys, the same attended set, in other slots).  Positions dead in every
+    row at the end are cut (``_idx`` falls).  For the draft model's rows (``MLXDraftBatch``): each draft pass pads
+    the rows that are not waiting, and ``drop_rows`` shifted every row that dropped more than the least through the
+    whole cache (a gather per layer per pass, about a target pass on the tiny pair); here a drop is host work only.
+
+    ``live``: numpy bool [B, _idx].  Made by ``adopt`` from a ``BatchKVCache`` (left padding: not live)."""
+
+    live = None
+
+    @classmethod
+    def adopt(cls, cache):
+        """``cache`` (a ``BatchKVCache``) as a masked cache, in place: its left padding is what its rows do not
+        attend."""
+        cache.__class__ = _masked_cache_class()
+        pad = np.asarray(cache.left_padding.tolist(), dtype=np.int64)
+        cache.live = np.arange(cache._idx)[None, :] >= pad[:, None]
+        return cache
+
+    def update_and_fetch(self, keys, values):
+        self.live = np.concatenate([self.live, np.ones((keys.shape[0], keys.shape[2]), dtype=bool)], axis=1)
+        return super().update_and_fetch(keys, values)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        import mlx.core as mx
+
+        if window_size is not None:
+            raise ValueError("a masked batch cache has no sliding window")
+        B, L = self.live.shape
+        m = np.empty((B, 1, N, L + N), dtype=bool)
+        m[:, 0, :, :L] = self.live[:, None, :]
+        m[:, 0, :, L:] = np.tri(N, dtype=bool)
+        return mx.array(m)
+
+    def drop(self, drops: Sequence[int], offset=None) -> None:
+        """Row i stops attending its last ``drops[i]`` live positions; ``offset``: the rows' new RoPE offsets when
+        the caller computed them once for every layer (else ``offset - drops``)."""
+        import mlx.core as mx
+
+        live = self.live
+        for i, d in enumerate(drops):
+            if d:
+                pos = np.flatnonzero(live[i])
+                if d > len(pos):
+                    raise ValueError(f"row {i} cannot drop {d} of its {len(pos)} positions")
+                live[i, pos[-d:]] = False
+        self.offset = offset if offset is not None else self.offset - mx.array(list(drops))
+        alive = np.flatnonzero(live.any(axis=0))
+        end = int(alive[-1]) + 1 if len(alive) else 0
+        if end < self._idx:  # dead in every row: cut (the offsets already fell)
+            self._idx = end
+            self.live = live[:, :end]
+
+    def trim(self, n):
+        n = super().trim(n)
+        self.live = self.live[:, : self._idx]
+        return n
+
+    def filter(self, batch_indices):
+        batch_indices = list(batch_indices)
+        pad = self.left_padding.tolist()
+        low = min(pad[i] for i in batch_indices) if batch_indices else 0
+        super().filter(batch_indices)
+        self.live = self.live[batch_indices][:, low:]
+
+    def extend(self, other):
+        width = max(self._idx, other._idx)
+        theirs = other.live if getattr(other, "live", None) is not None else (
+            np.arange(other._idx)[None, :] >= np.asarray(other.left_padding.tolist())[:, None])
+
+        def left(live, idx):
+            return np.concatenate([np.zeros((live.shape[0], width - idx), dtype=bool), live], axis=1)
+
+        live = np.concatenate([left(self.live, self._idx), left(theirs, other._idx)], axis=0)
+        super().extend(other)
+        self.live = live
+
+    def extract(self, idx):
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+
+        pos = mx.array(np.flatnonzero(self.live[idx]))
+        cache = KVCache()
+        cache.keys = mx.contiguous(mx.take(self.keys[idx: idx + 1, :, : self._idx], pos, axis=2))
+        cache.values = mx.contiguous(mx.take(self.values[idx: idx + 1, :, : self._idx], pos, axis=2))
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+
+def masked(cache: list) -> list:
+    """The batch cache's ``BatchKVCache`` layers as ``MaskedBatchKVCache`` (in place; those already masked kept)."""
+    cls = _masked_cache_class()
+    return [c if isinstance(c, cls) else cls.adopt(c) for c in cache]
+
+
+def drop_masked(cache: list, drops: list[int]) -> None:
+    """``drop_rows`` for ``MaskedBatchKVCache`` layers: row i drops its last ``drops[i]`` positions by the mask
+    (no keys move); the new offsets are one array for every layer."""
+    import mlx.core as mx
+
+    offset = cache[0].offset - mx.array(drops)
+    for c in cache:
+        c.drop(drops, offset)
+
+
 class MLXBatchTarget:
     """The target model over one ``BatchKVCache`` per layer, as ``BatchLoop`` drives it (``forward``, ``rollback``,
     ``remove``); rows join with ``add`` (prefilled alone, then merged in)."""
 
     tensors = "mlx"
 
-    def __init__(self, model, prefill_step_size: int = 2048):
+    def __init__(self, model, prefill_step_size: int = 2048, masked: bool = True):
         self.model = model
+        self.masked = masked  # rows drop by the mask (``MaskedBatchKVCache``), not by shifting keys
         self.vocab_size = output_width(model)
         self.prefill_step_size = prefill_step_size
         self.cache: list | None = None
@@ -100,6 +227,8 @@ class MLXBatchTarget:
         if prefix:
             runner.forward(list(prefix), logits_for=0)
         one = [c.merge([c]) for c in runner.cache]  # KVCache.merge -> a BatchKVCache of one row
+        if self.masked:
+            one = masked(one)
         if self.cache is None:
             self.cache = one
         else:

@@ -13,7 +13,8 @@ on``, the default).  It is mlx-lm's ``GenerationBatch`` with one change: ``next(
   speculative row (its own drafter chain, grammar, budget, ``k``: ``api.draft_rows``), feeds [pending, *drafts] of
   every row in ONE forward of the target (rows padded on the right), and each row's loop verifies its own logits
   rows (``_judge``: the serial loop's accept/residual law); each row's cache is rolled back alone
-  (``batch.rollback_rows``).  A row answers one response per committed token, in order.
+  (``batch.rollback_rows``; the batch's ``BatchKVCache`` layers are adopted as ``batch.MaskedBatchKVCache``: a row
+  drops positions by the mask, no keys move).  A row answers one response per committed token, in order.
 - With the server's draft model (``generation_batch_class(draft_model)``), a row whose chain holds ``model`` drafts
   with it as the serial loop does (masked by the row's grammar, its own draws), but the rows' draft models are
   ONE batched draft forward per draft position over the rows that need the model there
@@ -33,7 +34,7 @@ import numpy as np
 
 from specgrammar_plugins.api import RowRunner, draft_rows, make_loop
 
-from .batch import MLXDraftBatch, forward_rows, rollback_rows
+from .batch import MLXDraftBatch, _MaskedRows, forward_rows, masked, rollback_rows
 
 log = logging.getLogger("specgrammar.mlx_lm")
 
@@ -68,7 +69,7 @@ def _rollable(cache) -> bool:
     (``BatchRotatingKVCache``) or an SSM layer (``ArraysCache``) keeps its rows as mlx-lm decodes them."""
     from mlx_lm.models.cache import BatchKVCache
 
-    return all(type(c) is BatchKVCache for c in cache)
+    return all(type(c) is BatchKVCache or isinstance(c, _MaskedRows) for c in cache)
 
 
 def _draft_rollable(model) -> bool:
@@ -159,6 +160,7 @@ class _SpecMixin:
                     r.plan, r.fresh = None, False
             if not any(r.plan is not None for r in self._rows):
                 return super().next()
+        self.prompt_cache = masked(self.prompt_cache)  # rows drop by the mask (a batch that joined: adopted now)
         mx.eval(self._next_tokens, self._next_logprobs)
         cur = self._next_tokens.tolist()
         out: list = []  # (row, token, logprobs, finish)
