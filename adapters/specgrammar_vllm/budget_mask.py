@@ -113,6 +113,11 @@ class BudgetedGrammar:
         self.deterministic_drafts = deterministic_drafts
         self.tokens: list[int] = []
         self.lost = False
+        # the proposer's last check of this request's drafts (``fitting`` from ``fitting_drafts``): (the prefix it
+        # checked them after, then those drafts up to the first one refused; how many fit); ``validate_tokens``
+        # reads its verdicts instead of checking the same drafts after the same prefix a second time
+        self._checked: tuple[list[int], int, int] | None = None
+        self._zero: np.ndarray | None = None  # (fitting's one-draft row)
 
     def __getattr__(self, name):  # everything else is vLLM's grammar's
         return getattr(self.inner, name)
@@ -130,33 +135,74 @@ class BudgetedGrammar:
         drafts are left whole (cutting a sampled draft by its value would bias vLLM's rejection sampler); the
         row gives a forbidden one target probability 0 and it is rejected, exactly."""
         ok = self.inner.validate_tokens(tokens)
-        n = self.fitting(self.tokens, ok)
+        known, refused = self._known(ok)
+        n = known if refused else self.fitting(self.tokens, ok, start=known)
         if n < len(ok):
             _count("budget_drafts_cut", len(ok) - n)
         return ok[:n]
 
-    def fitting(self, generated, drafts, counter: str = "budget_ns") -> int:
+    def _known(self, drafts) -> tuple[int, bool]:
+        """What the proposer's check of this request's drafts (``_checked``) already says of ``drafts`` after this
+        grammar's prefix: (j, refused), the first j drafts fit and, where ``refused``, the next one does not.
+        (0, False) where it checked after another prefix or other drafts.  A row of the budget is a function of the
+        prefix alone (``Budget.mask_row``), so the same draft after the same prefix has the same verdict: the
+        drafts that reach vLLM's ``validate_tokens`` are checked once, by the proposer."""
+        c = self._checked
+        if c is None or not len(drafts):
+            return 0, False
+        seen, base, n = c
+        if len(self.tokens) != base or seen[:base] != self.tokens:
+            return 0, False
+        j = 0
+        while j < len(drafts) and base + j < len(seen) and int(drafts[j]) == seen[base + j]:
+            if j == n:  # the draft the proposer's check refused, after the same tokens
+                return j, True
+            j += 1
+        return j, False
+
+    def fitting(self, generated, drafts, counter: str = "budget_ns", start: int = 0) -> int:
         """How many of ``drafts`` (after the output ``generated``) the budget's rows allow, in order (all of them
-        where drafts are sampled: see ``validate_tokens``)."""
+        where drafts are sampled: see ``validate_tokens``); ``start``: how many leading drafts are known to fit
+        (``_known``).  The proposers' checks (``counter`` "budget_draft_ns") are kept for ``validate_tokens``
+        (``_checked``)."""
         if not self.deterministic_drafts or not len(drafts) or not self.words:
             return len(drafts)
-        from specgrammar_plugins.api import mask_allows, set_bit
+        if start >= len(drafts):
+            return len(drafts)
+        from specgrammar_plugins.api import mask_allows
 
         t0 = time.thread_time_ns()
+        proposer = counter == "budget_draft_ns"
+        if self._zero is None:
+            self._zero = np.zeros(self.words, dtype=np.int32)
+        row = self._zero  # the draft alone: only it is checked (a draft the target's whole row cuts after all is
+        w = 0  # rejected by that row: exact); one zeroed row, its one bit set and cleared per draft
+        n = len(drafts)
         try:
-            prefix = [int(t) for t in generated]
-            for i, t in enumerate(drafts):
-                row = np.zeros(self.words, dtype=np.int32)  # the draft alone: only it is checked (a draft the
-                set_bit(row, int(t))  # target's whole row cuts after all is rejected by that row: exact)
+            prefix = generated.tolist() if isinstance(generated, np.ndarray) else [int(t) for t in generated]
+            base = len(prefix)
+            prefix.extend(int(t) for t in drafts[:start])
+            for i in range(start, len(drafts)):
+                t = int(drafts[i])
+                w, b = t >> 5, 1 << (t & 31)
+                row[w] = b - (1 << 32) if b >> 31 else b  # (as set_bit: the bit of an int32 word)
                 self.budget.mask_row(row, prefix, self.margin, whole=False, far=FAR)
-                if not mask_allows(row, int(t)):
-                    return i
-                prefix.append(int(t))
-            return len(drafts)
+                if not mask_allows(row, t):
+                    prefix.append(t)
+                    n = i
+                    break
+                row[w] = 0
+                prefix.append(t)
         except Exception:  # (fill_bitmask says so and turns the cut off for this request)
-            return len(drafts)
+            n, proposer = len(drafts), False
+            self._checked = None
+            row.fill(0)
         finally:
+            row[w] = 0
+            if proposer:
+                self._checked = (prefix, base, n)
             _count(counter, time.thread_time_ns() - t0)
+        return n
 
     def rollback(self, num_tokens: int) -> None:
         self.inner.rollback(num_tokens)
