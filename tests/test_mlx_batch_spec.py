@@ -211,10 +211,11 @@ def test_rollback_keeps_each_row_at_its_own_length(tiny, masked):
 
 
 def test_masked_rows_join_leave_and_extract_as_rows_alone(tiny):
-    """``MaskedBatchKVCache`` (what the batched rows' target and draft caches are): through rounds of uneven feeds
-    and drops, a row joining mid-way (``extend``) and one leaving (``filter``), every pass's logits of every row
-    equal the row alone's; a dropped tail that no row attends is cut (the cache does not grow by the padding); and
-    a row's extracted cache (what the server keeps as the request's prompt cache) holds exactly its tokens."""
+    """``MaskedBatchKVCache`` (what the batched rows' target and draft caches are): rows prefilled together
+    (``add_many``: padded on the right, the padding dropped by the mask), then through rounds of uneven feeds and
+    drops, a row joining mid-way (``add``: ``extend``) and one leaving (``filter``), every pass's logits of every
+    row equal the row alone's; a dropped tail that no row attends is cut (the cache does not grow by the padding);
+    and a row's extracted cache (what the server keeps as the request's prompt cache) holds exactly its tokens."""
     import mlx.core as mx
 
     from specgrammar_mlx_lm.batch import MLXBatchTarget, _MaskedRows
@@ -224,10 +225,8 @@ def test_masked_rows_join_leave_and_extract_as_rows_alone(tiny):
     prompts = [prompt_ids(tok, p) for p in ("Say hello", "Name a colour", "Make up a code of 3 digits", "Count")]
     for m in (model, draft):
         target = MLXBatchTarget(m)
-        held = []
-        for p in prompts[:3]:
-            target.add(p[:-1])
-            held.append(list(p[:-1]))
+        target.add_many([p[:-1] for p in prompts[:3]])
+        held = [list(p[:-1]) for p in prompts[:3]]
         assert all(isinstance(c, _MaskedRows) for c in target.cache)
         rng = np.random.default_rng(1)
         for rnd in range(6):
@@ -252,3 +251,29 @@ def test_masked_rows_join_leave_and_extract_as_rows_alone(tiny):
         for i, h in enumerate(held):
             runner = MLXRunner(m, [x.extract(i) for x in target.cache], list(h))
             assert mx.allclose(runner.forward([5])[-1], MLXRunner(m).forward([*h, 5])[-1], atol=1e-4).item()
+
+
+def test_draft_batch_prefills_new_rows_at_its_next_pass(tiny):
+    """``MLXDraftBatch``: rows added are prefilled together at the next draft pass; a row that leaves before it is
+    never prefilled; each waiting row's logits equal the draft model's alone on the same tokens."""
+    import mlx.core as mx
+
+    from specgrammar_mlx_lm.batch import MLXDraftBatch
+    from specgrammar_mlx_lm.runner import MLXRunner
+
+    _, draft, tok = tiny
+    prompts = [prompt_ids(tok, p) for p in ("Say hello", "Name a colour", "Count")]
+    batch = MLXDraftBatch(draft)
+    for i, p in enumerate(prompts):
+        batch.add(i, p[:-1])
+    batch.keep([0, 2])
+    assert batch.rows.cache is None and batch.keys == [0, 2]
+    out = batch({0: (0, prompts[0][-1:]), 2: (0, prompts[2][-1:])})
+    assert batch.rows.rows == 2 and batch.passes == 1
+    for i in (0, 2):
+        alone = MLXRunner(draft).forward(prompts[i], logits_for=1)
+        assert mx.allclose(out[i], alone, atol=1e-4).item()
+    batch.add(1, prompts[1][:-1])  # joins: prefilled at the next pass, which only row 1 waits in
+    out = batch({1: (0, prompts[1][-1:])})
+    assert batch.rows.rows == 3 and mx.allclose(out[1], MLXRunner(draft).forward(prompts[1], logits_for=1),
+                                                 atol=1e-4).item()

@@ -61,7 +61,7 @@ def drop_rows(cache: list, drops: list[int]) -> None:
     its offset falls by it, the mask hides it)."""
     import mlx.core as mx
 
-    if isinstance(cache[0], _MaskedRows):
+    if all(isinstance(c, _MaskedRows) for c in cache):
         drop_masked(cache, drops)
         return
     low = min(drops)
@@ -100,6 +100,10 @@ class _MaskedRows:
     ``live``: numpy bool [B, _idx].  Made by ``adopt`` from a ``BatchKVCache`` (left padding: not live)."""
 
     live = None
+
+    def __init__(self, left_padding):
+        super().__init__(left_padding)
+        self.live = np.zeros((len(left_padding), 0), dtype=bool)
 
     @classmethod
     def adopt(cls, cache):
@@ -181,8 +185,13 @@ class _MaskedRows:
 
 
 def masked(cache: list) -> list:
-    """The batch cache's ``BatchKVCache`` layers as ``MaskedBatchKVCache`` (in place; those already masked kept)."""
+    """The batch cache's ``BatchKVCache`` layers as ``MaskedBatchKVCache`` (in place; those already masked kept);
+    a cache with other layers (a rotating window, SSM state) as it is."""
+    from mlx_lm.models.cache import BatchKVCache
+
     cls = _masked_cache_class()
+    if not all(isinstance(c, cls) or type(c) is BatchKVCache for c in cache):
+        return cache
     return [c if isinstance(c, cls) else cls.adopt(c) for c in cache]
 
 
@@ -212,14 +221,13 @@ class MLXBatchTarget:
         self.passes = 0
         self.fed = 0  # positions fed by the batched passes (padding included)
         self.padding = 0  # of those, padding
-        self.rollback_s = 0.0  # time in the per-row rollback (the shift of the rows that dropped more)
+        self.rollback_s = 0.0  # time in the per-row rollback (drop_rows)
         self.forward_s = 0.0
         self.draft_passes = 0  # batch_generate with a draft model: the batched draft passes
         self._width = 0
 
     def add(self, prefix: Sequence[int]) -> None:
         """A new row whose cache holds ``prefix`` (the prompt without its last token, which is pending)."""
-        import mlx.core as mx
         from mlx_lm.models.cache import make_prompt_cache
 
         runner = MLXRunner(self.model, make_prompt_cache(self.model), [],
@@ -227,15 +235,43 @@ class MLXBatchTarget:
         if prefix:
             runner.forward(list(prefix), logits_for=0)
         one = [c.merge([c]) for c in runner.cache]  # KVCache.merge -> a BatchKVCache of one row
-        if self.masked:
-            one = masked(one)
+        self._join(masked(one) if self.masked else one, 1)
+
+    def _join(self, new: list, n: int) -> None:
+        """The batch cache ``new`` of ``n`` new rows merged in after the rows held."""
+        import mlx.core as mx
+
         if self.cache is None:
-            self.cache = one
+            self.cache = new
         else:
-            for a, b in zip(self.cache, one):
+            for a, b in zip(self.cache, new):
                 a.extend(b)
         mx.eval([c.state for c in self.cache])
-        self.rows += 1
+        self.rows += n
+
+    def add_many(self, prefixes: Sequence[Sequence[int]]) -> None:
+        """``add`` for several rows at once: their prefixes prefilled together in one batch (padded on the right,
+        the padding dropped by the mask), then merged in.  A model whose cache layers are not all ``KVCache``
+        (masked rows need ``BatchKVCache`` layers) or ``masked=False``: one ``add`` per row."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        prefixes = [[int(t) for t in p] for p in prefixes]
+        layers = make_prompt_cache(self.model)
+        if len(prefixes) < 2 or not self.masked or not all(type(c) is KVCache for c in layers):
+            for p in prefixes:
+                self.add(p)
+            return
+        cls = _masked_cache_class()
+        new = [cls([0] * len(prefixes)) for _ in layers]
+        width = max(len(p) for p in prefixes)
+        if width:
+            x = mx.array([p + [0] * (width - len(p)) for p in prefixes], dtype=mx.uint32)
+            for i in range(0, width, self.prefill_step_size):
+                self.model(x[:, i: i + self.prefill_step_size], cache=new)
+                mx.eval([c.state for c in new])
+            drop_masked(new, [width - len(p) for p in prefixes])
+        self._join(new, len(prefixes))
 
     def forward(self, feeds: list[list[int]]):
         t0 = time.perf_counter()
@@ -264,21 +300,23 @@ class MLXBatchTarget:
 
 
 class MLXDraftBatch:
-    """The draft model over its own ``BatchKVCache`` per layer, for the rows that draft with it: the batched draft
-    pass of ``api.draft_rows`` (``__call__``).  Rows join with ``add(key, tokens)`` (prefilled alone, merged in; the
-    row's ``DraftRow`` back) and leave with ``keep(keys)``.  A pass first drops, per row, what its drafter trimmed
-    and the padding the last pass left it (``drop_rows``), then feeds every waiting row's tokens in ONE forward (rows
+    """The draft model over its own ``MaskedBatchKVCache`` per layer, for the rows that draft with it: the batched
+    draft pass of ``api.draft_rows`` (``__call__``).  Rows join with ``add(key, tokens)`` (the row's ``DraftRow``
+    back; the rows added since the last pass are prefilled together at the next, ``MLXBatchTarget.add_many``, and
+    merged in) and leave with ``keep(keys)``.  A pass first drops, per row, what its drafter trimmed and the padding
+    the last pass left it (``drop_rows``: by the mask), then feeds every waiting row's tokens in ONE forward (rows
     padded on the right; a row that is not waiting is all padding), and hands each waiting row its last position's
     logits."""
 
     def __init__(self, model, prefill_step_size: int = 2048):
         self.rows = MLXBatchTarget(model, prefill_step_size)
-        self.keys: list = []
+        self.keys: list = []  # the cache's rows, then the rows not prefilled yet (``_new``)
         self.pad: list[int] = []  # per row: padding the last pass left in its cache
+        self._new: list[list[int]] = []  # the prefixes of the rows added since the last pass
         self.passes = 0
 
     def add(self, key, tokens: Sequence[int]) -> DraftRow:
-        self.rows.add(tokens)
+        self._new.append([int(t) for t in tokens])
         self.keys.append(key)
         self.pad.append(0)
         return DraftRow(tokens, self.rows.vocab_size, self.rows.tensors)
@@ -287,11 +325,17 @@ class MLXDraftBatch:
         keys = set(keys)
         idx = [j for j, k in enumerate(self.keys) if k in keys]
         if len(idx) < len(self.keys):
-            self.rows.remove(idx)
+            held = len(self.keys) - len(self._new)
+            if held:
+                self.rows.remove([j for j in idx if j < held])
+            self._new = [self._new[j - held] for j in idx if j >= held]
             self.keys = [self.keys[j] for j in idx]
             self.pad = [self.pad[j] for j in idx]
 
     def __call__(self, asks: dict) -> dict:
+        if self._new:
+            new, self._new = self._new, []
+            self.rows.add_many(new)
         drops = [p + (asks[k][0] if k in asks else 0) for k, p in zip(self.keys, self.pad)]
         if any(drops):
             drop_rows(self.rows.cache, drops)
@@ -362,8 +406,10 @@ def batch_generate(model, tokenizer, requests: Sequence[BatchRequest], *, k: int
         loops[i] = loop
     if target.cache is not None:
         check_trimmable(target.cache, "target")
-    if draft is not None and draft.rows.cache is not None:
-        check_trimmable(draft.rows.cache, "draft model")
+    if draft is not None and draft.keys:  # (its rows are prefilled at the first draft pass)
+        from mlx_lm.models.cache import make_prompt_cache
+
+        check_trimmable(make_prompt_cache(draft.rows.model), "draft model")
     for out in batch.run():
         for i, c in out:
             if isinstance(c, BaseException):
