@@ -50,6 +50,15 @@ def forward_rows(model, cache: list, feeds: list[list[int]]):
     return out
 
 
+def host_rows(out):
+    """The evaluated logits ``out`` as the rows' law reads them: on the CPU device one zero-copy numpy view for the
+    whole batch (the mlx law reads CPU logits through numpy anyway, one ``np.asarray`` per row slice before), else
+    ``out`` itself."""
+    import mlx.core as mx
+
+    return np.asarray(out) if mx.default_device() == mx.cpu else out
+
+
 def rollback_rows(cache: list, width: int, kept: list[int]) -> None:
     """After a pass that fed ``width`` positions to every row, row i keeps the first ``kept[i]`` of them."""
     drop_rows(cache, [width - k for k in kept])
@@ -341,7 +350,7 @@ class MLXDraftBatch:
             drop_rows(self.rows.cache, drops)
         feeds = [list(asks[k][1]) if k in asks else [] for k in self.keys]
         width = max(len(f) for f in feeds)
-        out = forward_rows(self.rows.model, self.rows.cache, feeds)
+        out = host_rows(forward_rows(self.rows.model, self.rows.cache, feeds))
         self.pad = [width - len(f) for f in feeds]
         self.passes += 1
         return {k: out[j, len(f) - 1: len(f)] for j, (k, f) in enumerate(zip(self.keys, feeds)) if k in asks}

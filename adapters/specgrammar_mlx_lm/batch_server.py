@@ -34,7 +34,7 @@ import numpy as np
 
 from specgrammar_plugins.api import RowRunner, draft_rows, make_loop
 
-from .batch import MLXDraftBatch, _MaskedRows, forward_rows, masked, rollback_rows
+from .batch import MLXDraftBatch, _MaskedRows, forward_rows, host_rows, masked, rollback_rows
 
 log = logging.getLogger("specgrammar.mlx_lm")
 
@@ -186,6 +186,7 @@ class _SpecMixin:
         kept = [1 if r.plan is None else 0 for r in self._rows]
         t_fwd = time.perf_counter_ns()
         logits = forward_rows(self.model, self.prompt_cache, feeds)
+        host = host_rows(logits)  # what each row's verdict reads
         width = max(len(f) for f in feeds)
         plain = [i for i, r in enumerate(self._rows) if r.plan is None]
         if plain:
@@ -197,7 +198,7 @@ class _SpecMixin:
             runner.fed(feeds[i])
             before = runner.dropped
             try:
-                c = r.loop._judge(block, logits[i, : len(feeds[i])], t_fwd)
+                c = r.loop._judge(block, host[i, : len(feeds[i])], t_fwd)
                 r.loop._settled(c)
             except Exception as e:
                 self._fault(i, r, e, out)
