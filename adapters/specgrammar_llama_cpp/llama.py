@@ -42,8 +42,8 @@ import numpy as np
 from llama_cpp import Llama, LogitsProcessorList
 
 from specgrammar_plugins.api import (DEFAULT_DRAFTERS, GREEDY, ConstraintError, ConstraintSpec, Host, SamplingParams,
-                                     SpecOptions, check_budget, check_request, make_loop, prepare_deadline, resolve_model,
-                                     resolve_pack_name, with_defaults)
+                                     SpecOptions, check_budget, check_request, make_loop, plan_options, prepare_deadline,
+                                     resolve_model, with_defaults)
 
 from .grammar import ValidatedGrammar, compile_for
 from .runner import LlamaRunner, tokenizer_info
@@ -145,10 +145,7 @@ class SpecLlama(Llama):
         checked = check_request({**gated, **body}, self._host(),
                                 host_constraint=kwargs.get("grammar") is not None or kwargs.get("constraint") is not None)
         spec, options = checked.spec, checked.options
-        if options.recipe:  # a pack name (RecipePackError: a ValueError naming the packs there are)
-            from dataclasses import replace
-
-            options = replace(options, recipe=str(resolve_pack_name(options.recipe, self.recipes_dir)))
+        options = plan_options(options, self.recipes_dir)  # recipe: a pack name (RecipePackError: a ValueError)
         found = [("request fields", spec)] if spec is not None else []
         c = kwargs.pop("constraint", None)
         if c is not None:

@@ -159,7 +159,7 @@ def warm_up() -> None:
 
 
 def _gate_body(raw: bytes, deadline) -> bytes | None:
-    from specgrammar_plugins.api import Refused, SpecGrammarError, check_request, json_object, resolve_pack_name
+    from specgrammar_plugins.api import Refused, SpecGrammarError, check_request, json_object, plan_options
 
     body = json_object(raw)
     xopts = _xargs_options(body)
@@ -172,8 +172,8 @@ def _gate_body(raw: bytes, deadline) -> bytes | None:
     changed = False
     try:
         checked = check_request(checked_body, vllm_host())
-        if checked.options.recipe:  # a pack name the proposer will find (RecipePackError: 400 naming the packs)
-            resolve_pack_name(checked.options.recipe, os.environ.get(RECIPES_ENV) or None)
+        plan_options(checked.options, os.environ.get(RECIPES_ENV) or None)  # recipe: a pack name the proposer
+        # will find (RecipePackError: 400 naming the packs)
         if checked.spec is not None:
             _warm(deadline)
             try:
