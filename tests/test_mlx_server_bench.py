@@ -44,3 +44,18 @@ def test_bench_mlx_server_quick(tmp_path):
     assert rows["draft-serial"]["speculative_rows"] == n and rows["draft-serial"]["equal_to_loop_serial"] == n
     spec = rows["spec-batch-concurrent"]  # speculative rows: greedy answers equal to our loop's, served alone
     assert spec["equal_to_loop_serial"] == n and spec["speculative_rows"] == n and spec["tokens_per_pass_mean"] > 1.0
+
+
+def test_bench_mlx_server_in_process_with_the_draft_model():
+    """``--in-process`` (no server): with the draft model, the batch's rows (one batched draft pass per position)
+    answer as our serial loop with it does, at its tokens per target pass per row (within 10%: near-ties in
+    batched against single-row logits), in fewer draft passes than the rows drafted with the model."""
+    from specgrammar_plugins.bench import mlx_server
+
+    tiny_model_dirs()
+    n = 3
+    d = mlx_server.in_process("tiny", n, 24, 4)["draft"]
+    assert d["equal"] == n
+    assert sum(d["tokens_per_pass_batch"]) >= 0.9 * sum(d["tokens_per_pass_serial"]), d
+    assert 0 < d["draft_passes"] < d["model_drafts"], d
+    assert d["serial_s"] > 0 and d["batch_s"] > 0

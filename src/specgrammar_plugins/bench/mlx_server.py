@@ -224,7 +224,9 @@ def in_process(model: str, n: int, max_tokens: int, k: int) -> dict:
     chain, k.  Order: one serial pass (warm-up: compiles; the learning drafters see each answer once), a batch, the
     timed serial pass, the timed batch; each row's tokens per target pass in both (at the same drafter state they
     are the same drafts and verdicts), the batch's target passes, its padding share and the time of its forwards
-    and of its per-row rollback."""
+    and of its per-row rollback.  Then the same with the draft model (``draft``: the batch's rows drafting with it
+    in one batched draft pass per position, ``MLXDraftBatch``, against our serial loop with it; the fastest of three
+    timed runs of each, alternated, after one of each untimed)."""
     from mlx_lm import load
 
     from specgrammar_mlx_lm.batch import BatchRequest, batch_generate
@@ -232,7 +234,7 @@ def in_process(model: str, n: int, max_tokens: int, k: int) -> dict:
 
     from ..workloads import chat_prompt
 
-    target, _, what = _models(model)
+    target, draft_dir, what = _models(model)
     lm, tok = load(target)
     reqs = [BatchRequest(list(tok.encode(chat_prompt(b["messages"][0]["content"]), add_special_tokens=False)),
                          constraint=_spec(b), max_tokens=max_tokens) for b in _bodies(n, max_tokens)]
@@ -250,6 +252,7 @@ def in_process(model: str, n: int, max_tokens: int, k: int) -> dict:
     outs, tgt = batch_generate(lm, tok, reqs, k=k)
     t_batch = time.perf_counter() - t0
     return {"model": model, "what": what, "n": n, "max_tokens": max_tokens, "k": k,
+            "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             "serial_s": round(t_serial, 2), "batch_s": round(t_batch, 2),
             "tokens": [sum(s.emitted for _, s in ser), sum(s.emitted for _, s in outs)],
             "equal": sum(a[0] == b[0] for a, b in zip(ser, outs)),
@@ -258,7 +261,36 @@ def in_process(model: str, n: int, max_tokens: int, k: int) -> dict:
             "tokens_per_pass_batch": [round(s.tokens_per_pass, 2) for _, s in outs],
             "serial_passes": sum(s.target_passes for _, s in ser), "batch_passes": tgt.passes,
             "padding_share": round(tgt.padding / max(tgt.fed, 1), 3), "forward_s": round(tgt.forward_s, 2),
-            "rollback_s": round(tgt.rollback_s, 3)}
+            "rollback_s": round(tgt.rollback_s, 3), "draft": _in_process_draft(lm, tok, load(draft_dir)[0], reqs, k)}
+
+
+def _in_process_draft(lm, tok, draft, reqs, k: int, reps: int = 3) -> dict:
+    """``in_process`` with the draft model: our serial loop with it against ``batch_generate`` with it."""
+    from specgrammar_mlx_lm.batch import batch_generate
+    from specgrammar_mlx_lm.generate import generate_tokens
+
+    def serial():
+        return [generate_tokens(lm, tok, list(r.prompt), max_tokens=r.max_tokens, constraint=r.constraint,
+                                num_draft_tokens=k, temperature=0.0, draft_model=draft) for r in reqs]
+
+    walls: dict[str, list[float]] = {"serial": [], "batch": []}
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        ser = serial()
+        t1 = time.perf_counter()
+        outs, tgt = batch_generate(lm, tok, reqs, k=k, draft_model=draft)
+        t2 = time.perf_counter()
+        if i:  # the first of each: warm-up
+            walls["serial"].append(round(t1 - t0, 3))
+            walls["batch"].append(round(t2 - t1, 3))
+    return {"serial_s": min(walls["serial"]), "batch_s": min(walls["batch"]),
+            "ratio": round(min(walls["serial"]) / min(walls["batch"]), 2), "walls_s": walls,
+            "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "equal": sum(a[0] == b[0] for a, b in zip(ser, outs)),
+            "tokens_per_pass_serial": [round(s.tokens_per_pass, 2) for _, s in ser],
+            "tokens_per_pass_batch": [round(s.tokens_per_pass, 2) for _, s in outs],
+            "batch_passes": tgt.passes, "draft_passes": tgt.draft_passes,
+            "model_drafts": sum(s.drafted_by_source.get("model", 0) for _, s in outs)}
 
 
 def _spec(body: dict):
