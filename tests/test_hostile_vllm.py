@@ -82,7 +82,7 @@ def request_cpu_s(before: dict[str, float], after: dict[str, float]) -> float:
     return sum(v - before.get(k, 0.0) for k, v in after.items() if not k.startswith("worker:") or k in before)
 
 
-def settle_workers(pid: int, quiet_s: float = 1.0, limit_s: float = 90.0) -> None:
+def settle_workers(pid: int, quiet_s: float = 0.25, limit_s: float = 90.0) -> None:
     """Wait (at most ``limit_s``) until no compile worker of the server uses CPU for ``quiet_s``: a replacement
     started for an earlier request's killed worker finishes its start-up before the next probe's clock starts."""
     end = time.monotonic() + limit_s
