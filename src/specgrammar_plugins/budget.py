@@ -464,6 +464,9 @@ class CertifiedBudget(Budget):
         self._far: dict = {}  # prefix -> the far zone's row of the tokens that fit (None: all), the last 64
         self._reps: dict = {}  # (prefix, token) -> its certificate's length (``_rep_len``)
         self._ahead: tuple = ([], _Scan())  # the last row's prefix beyond the path, and its scan (``_opener_in``)
+        self._nexts: dict = {}  # (h, t, r, parent) -> the certificate of h.t (``_next``), the last 4096
+        self._spells: dict = {}  # text -> its spellings (``_spellings``), the last 4096
+        self._texts: dict = {}  # certificate -> its text (``_text``), the last 1024
         # xgrammar 0.2.8 accepts tokens its own mask leaves out (after `"Cla` in an enum's "Classical", `ssi`:
         # accept_token says yes, fill_next_token_bitmask has only `s`): a host samples from the mask, so a
         # certificate must be a way the masks allow (``_MaskChecked``), or the certificate's own next token is not
@@ -472,6 +475,7 @@ class CertifiedBudget(Budget):
         self.json = compiled.spec.kind in ("json_schema", "json")  # (its text is read as JSON: ``_Scan``)
         self._row = np.zeros(mask_words(tok.vocab_size), dtype=np.int32)
         self._probe = np.zeros(mask_words(tok.vocab_size), dtype=np.int32)
+        self._cert_row = np.zeros(mask_words(tok.vocab_size), dtype=np.int32)  # (``_certify``'s scratch row)
         schema = compiled.spec.schema if compiled.spec.kind == "json_schema" else None
         names = schema_names(schema) if schema is not None else []
         self.names = [n.encode("utf-8") + b'"' for n in names[: self.MAX_NAMES]]
@@ -481,6 +485,8 @@ class CertifiedBudget(Budget):
         # the committed path's certificates: _certs[i] certifies _path[:i]; _scans[i] scans its text
         self._path: list[int] = []
         self.hm.sync([])
+        # (the history matcher, as certificates are worked out on it: ``_next`` only forks it)
+        self._hm_checked = self._checked(self.hm.matcher)
         # the start's certificate, however long (so that a refusal can name its length): computed once per
         # (constraint, tokenizer, engine, budget) and kept (the handler, the generation thread and the loop of one
         # request, and later requests, all ask for it; it is a function of those alone)
@@ -524,6 +530,15 @@ class CertifiedBudget(Budget):
         return _MaskChecked(m, len(self._row)) if self.mask_checked else m
 
     def _certify(self, m, ids: Sequence[int]) -> bool:
+        if type(m) is _MaskChecked:  # (its fork's ``accept``, one Python frame less a token: the mask asked, then
+            f = m.m.fork()            # the engine's matcher; one scratch row, no wrapper per fork)
+            row, fill, accept = self._cert_row, f.fill_mask, f.accept
+            for t in ids:
+                t = int(t)
+                fill(row)
+                if not (int(row[t >> 5]) >> (t & 31)) & 1 or not accept(t):  # (masks.mask_allows, inline)
+                    return False
+            return f.is_terminated()
         f = m.fork()
         for t in ids:
             if not f.accept(int(t)):
@@ -533,15 +548,29 @@ class CertifiedBudget(Budget):
     def _spelled(self, text: bytes, limit: int, m) -> tuple | None:
         """``text`` + the stop token, spelled with the vocabulary's longest tokens, if that fits in ``limit``
         and ``m`` accepts it to the end."""
-        spellings = []
-        for ids in (self._encode(text), self.spell(text) if text else []):
-            if ids is not None and len(ids) + 1 <= limit and ids not in spellings:
-                spellings.append(ids)
-        for ids in sorted(spellings, key=len):
+        for ids in self._spellings(text):
+            if len(ids) + 1 > limit:
+                continue
             ids = (*ids, self.stop)
             if self._certify(m, ids):
                 return ids
         return None
+
+    def _spellings(self, text: bytes) -> list:
+        """The spellings ``_spelled`` tries for ``text``: the tokenizer's own and the longest-match one, once each,
+        the fewest tokens first (the tokenizer's first among equals); a function of ``text`` alone, kept per text
+        (the same rest of a certificate is spelled again at many positions)."""
+        got = self._spells.get(text)
+        if got is None:
+            got = []
+            for ids in (self._encode(text), self.spell(text) if text else []):
+                if ids is not None and ids not in got:
+                    got.append(ids)
+            got.sort(key=len)
+            if len(self._spells) >= 4096:
+                self._spells.pop(next(iter(self._spells)))
+            self._spells[text] = got
+        return got
 
     def _encode(self, text: bytes) -> list[int] | None:
         """The tokenizer's own spelling of ``text`` (None when it has none, or it does not give ``text`` back)."""
@@ -554,7 +583,16 @@ class CertifiedBudget(Budget):
         return ids if self.tok.decode(ids) == text else None
 
     def _text(self, cert: Sequence[int]) -> bytes:
-        return self.tok.decode([t for t in cert if t not in self.stops])
+        """The text of a certificate (its stop tokens left out), kept for the last ones asked (a certificate is
+        kept from position to position while the tokens leave it whole: its text is asked for at each)."""
+        key = tuple(cert)
+        text = self._texts.get(key)
+        if text is None:
+            text = self.tok.decode([t for t in cert if t not in self.stops])
+            if len(self._texts) >= 1024:
+                self._texts.pop(next(iter(self._texts)))
+            self._texts[key] = text
+        return text
 
     def _walk(self, m, scan: _Scan, steps: int, limit: int, deadline=None, rejoin=None) -> tuple | None:
         """A completion from ``m``'s state by a greedy walk on the engine's masks (at most ``steps`` tokens),
@@ -682,7 +720,22 @@ class CertifiedBudget(Budget):
         return None
 
     def _next(self, parent: tuple | None, h: Sequence[int], t: int, r: int) -> tuple | None:
-        """The certificate of h.t (at most r - 1 tokens) from the parent's ``parent``, or None when none fits."""
+        """The certificate of h.t (at most r - 1 tokens) from the parent's ``parent``, or None when none fits: a
+        function of its arguments (``h`` is on the committed path, ``parent`` its certificate), kept per (h, t, r,
+        parent) for the last ones worked out.  The same certificate is asked for again and again: a draft's by the
+        draft check (the far zone's opener, ``_rep_len``; the tight zone's candidate) and again when the path takes
+        it (``_sync``), a rejected draft's branch again after the path left it, the verification rows'."""
+        key = (tuple(h), t, r, parent)
+        hit = self._nexts.get(key, _MISSING)
+        if hit is not _MISSING:
+            return hit
+        c = self._next_of(parent, h, t, r)
+        if len(self._nexts) >= 4096:
+            self._nexts.pop(next(iter(self._nexts)))
+        self._nexts[key] = c
+        return c
+
+    def _next_of(self, parent: tuple | None, h: Sequence[int], t: int, r: int) -> tuple | None:
         limit = r - 1
         if t in self.stops:
             return () if limit >= 0 else None
@@ -690,8 +743,8 @@ class CertifiedBudget(Budget):
             return parent[1:] if len(parent) - 1 <= limit else None
         if limit < 1 or not self.hm.sync([*h, t]):
             return None
-        m = self._checked(self.hm.matcher)
-        at = self._scan_at([*h])
+        m = self._hm_checked
+        at = self._scan_at(h)
         scan = at.copy()
         scan.feed(self.tok.token_bytes[t])
         d = len(at.stack)
