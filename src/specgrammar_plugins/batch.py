@@ -288,7 +288,10 @@ class Row:
         b = self.block
         n = len(b.tokens)
         if n <= j and n != self.tried and not b.done:
-            fill(b, self.st.drafter)
+            d = self.st.drafter
+            if d is not None:  # (``fill``, its first ``done`` asked above: once per row per position)
+                while d.extend(b, b.room) > 0 and not b.done:
+                    pass
             self.tried = len(b.tokens)
 
 

@@ -205,13 +205,16 @@ class DraftBlock:
     def push(self, token: int, law: np.ndarray | None = None, source: str = "model", *, check: bool = True) -> bool:
         """Append a draft. With ``check`` (grammar-aware), a token the mask forbids is refused (returns False).
         With ``check=False`` (blind drafting) it is appended anyway and closes the block if the grammar rejects it."""
-        if self.done:
+        tokens = self.tokens
+        n = len(tokens)
+        m = self.matcher
+        # (``done`` written out: a batch host pushes once per request per position)
+        if self.closed or n >= self.capacity or n - self.n_free >= self.budget or (m is not None and m.is_terminated()):
             return False
         token = int(token)
-        tokens = self.tokens
-        if self.lazy and check and not self.dead and len(self.masks) == len(tokens):
+        if self.lazy and check and not self.dead and len(self.masks) == n:
             # a lazy block's position whose mask nobody read: the matcher's own accept is the check
-            if not self.matcher.accept(token):
+            if not m.accept(token):
                 return False
             self.matched += 1
             self.masks.append(None)  # (not filled)

@@ -108,7 +108,7 @@ class DraftView:
     tokens, so ``accept_bytes`` is refused (bytes merged into a position would not be in ``fed``)."""
 
     __slots__ = ("_m", "_h", "_fed", "_accept", "vocab_size", "fill_mask", "is_terminated", "forced", "jump_forward",
-                 "fork")
+                 "fork", "jump_forward_complete")
 
     def __init__(self, history: HistoryMatcher):
         m = self._m = history.matcher
@@ -121,6 +121,8 @@ class DraftView:
         self.forced = m.forced
         self.jump_forward = m.jump_forward
         self.fork = m.fork
+        # the matcher's own (a class's constant: a lazy block's forced drafter reads it at every position)
+        self.jump_forward_complete = getattr(m, "jump_forward_complete", False)
 
     def accept(self, token: int) -> bool:
         if not self._accept(token):
@@ -137,10 +139,6 @@ class DraftView:
 
     def accept_bytes(self, data: bytes) -> bool:
         raise NotImplementedError("a draft view takes tokens only (HistoryMatcher.draft)")
-
-    @property
-    def jump_forward_complete(self) -> bool:
-        return getattr(self._m, "jump_forward_complete", False)
 
 
 class RequestBoundary:
