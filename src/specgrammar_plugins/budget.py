@@ -464,9 +464,10 @@ class CertifiedBudget(Budget):
         self._far: dict = {}  # prefix -> the far zone's row of the tokens that fit (None: all), the last 64
         self._reps: dict = {}  # (prefix, token) -> its certificate's length (``_rep_len``)
         self._ahead: tuple = ([], _Scan())  # the last row's prefix beyond the path, and its scan (``_opener_in``)
-        self._nexts: dict = {}  # (h, t, r, parent) -> the certificate of h.t (``_next``), the last 4096
-        self._spells: dict = {}  # text -> its spellings (``_spellings``), the last 4096
-        self._texts: dict = {}  # certificate -> its text (``_text``), the last 1024
+        self._nexts: dict = {}  # (h, t, r, parent) -> the certificate of h.t (``_next``), the last ones
+        self._nexts_held = 0  # (the tokens of their prefixes)
+        self._spells: dict = {}  # text -> its spellings (``_spellings``), the last 512
+        self._texts: dict = {}  # certificate -> its text (``_text``), the last 256
         # xgrammar 0.2.8 accepts tokens its own mask leaves out (after `"Cla` in an enum's "Classical", `ssi`:
         # accept_token says yes, fill_next_token_bitmask has only `s`): a host samples from the mask, so a
         # certificate must be a way the masks allow (``_MaskChecked``), or the certificate's own next token is not
@@ -567,7 +568,7 @@ class CertifiedBudget(Budget):
                 if ids is not None and ids not in got:
                     got.append(ids)
             got.sort(key=len)
-            if len(self._spells) >= 4096:
+            if len(self._spells) >= 512:
                 self._spells.pop(next(iter(self._spells)))
             self._spells[text] = got
         return got
@@ -589,7 +590,7 @@ class CertifiedBudget(Budget):
         text = self._texts.get(key)
         if text is None:
             text = self.tok.decode([t for t in cert if t not in self.stops])
-            if len(self._texts) >= 1024:
+            if len(self._texts) >= 256:
                 self._texts.pop(next(iter(self._texts)))
             self._texts[key] = text
         return text
@@ -730,9 +731,13 @@ class CertifiedBudget(Budget):
         if hit is not _MISSING:
             return hit
         c = self._next_of(parent, h, t, r)
-        if len(self._nexts) >= 4096:
-            self._nexts.pop(next(iter(self._nexts)))
         self._nexts[key] = c
+        self._nexts_held += len(key[0])
+        # (the last 4096, and prefixes of at most 2^17 tokens in all: 1 MB of a long output's prefixes)
+        while len(self._nexts) > 4096 or self._nexts_held > 1 << 17:
+            old = next(iter(self._nexts))
+            self._nexts_held -= len(old[0])
+            del self._nexts[old]
         return c
 
     def _next_of(self, parent: tuple | None, h: Sequence[int], t: int, r: int) -> tuple | None:
