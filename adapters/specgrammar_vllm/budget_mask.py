@@ -169,7 +169,7 @@ class BudgetedGrammar:
             return len(drafts)
         if start >= len(drafts):
             return len(drafts)
-        from specgrammar_plugins.api import mask_allows
+        from specgrammar_plugins.api import mask_allows, set_bit
 
         t0 = time.thread_time_ns()
         proposer = counter == "budget_draft_ns"
@@ -184,8 +184,8 @@ class BudgetedGrammar:
             prefix.extend(int(t) for t in drafts[:start])
             for i in range(start, len(drafts)):
                 t = int(drafts[i])
-                w, b = t >> 5, 1 << (t & 31)
-                row[w] = b - (1 << 32) if b >> 31 else b  # (as set_bit: the bit of an int32 word)
+                w = t >> 5
+                set_bit(row, t)
                 self.budget.mask_row(row, prefix, self.margin, whole=False, far=FAR)
                 if not mask_allows(row, t):
                     prefix.append(t)

@@ -531,13 +531,13 @@ class CertifiedBudget(Budget):
         return _MaskChecked(m, len(self._row)) if self.mask_checked else m
 
     def _certify(self, m, ids: Sequence[int]) -> bool:
-        if type(m) is _MaskChecked:  # (its fork's ``accept``, one Python frame less a token: the mask asked, then
-            f = m.m.fork()            # the engine's matcher; one scratch row, no wrapper per fork)
+        if type(m) is _MaskChecked:  # (``_MaskChecked.accept`` on the engine matcher's fork: the mask asked, then
+            f = m.m.fork()            # the matcher; one scratch row, no wrapper and no row per fork)
             row, fill, accept = self._cert_row, f.fill_mask, f.accept
             for t in ids:
                 t = int(t)
                 fill(row)
-                if not (int(row[t >> 5]) >> (t & 31)) & 1 or not accept(t):  # (masks.mask_allows, inline)
+                if not mask_allows(row, t) or not accept(t):
                     return False
             return f.is_terminated()
         f = m.fork()
