@@ -260,14 +260,18 @@ class _Off:
 
 
 # ------------------------------------------------------------------------------------------- building
-def _request_options(sp) -> dict:
-    opts = ((getattr(sp, "extra_args", None) or {}).get("specgrammar") or {})
-    if isinstance(opts, str):
-        try:
-            opts = json.loads(opts)
-        except ValueError:
-            opts = {}
-    return opts if isinstance(opts, dict) else {}
+def _request_options(sp) -> dict | None:
+    """The request's ``specgrammar`` options (``extra_args``, from the launcher's ``vllm_xargs``), read by the core's
+    one reader (``api.options_in``).  The launcher's gate answers a malformed value with a 400 first; one that
+    reaches the engine by another way (``vllm.LLM``, vLLM's own server) is logged and ignored, as the proposer
+    ignores it."""
+    from specgrammar_plugins.api import RequestError, options_in
+
+    try:
+        return options_in(getattr(sp, "extra_args", None), "extra_args.specgrammar")
+    except RequestError as e:
+        log.warning("specgrammar: %s; ignored", e)
+        return None
 
 
 _TOKS: dict = {}  # (tokenizer name, vocab size, engine) -> TokenizerInfo as the backend reads it
@@ -318,7 +322,7 @@ def build(manager, request):
     spec = spec_from_params(so)
     if spec is None or getattr(sp, "max_tokens", None) is None:
         return None
-    if _request_options(sp).get("budget_mask") is False:
+    if (_request_options(sp) or {}).get("budget_mask") is False:
         _count_locked("budget_skipped")
         return None
     engine, options = engine_options(manager.vllm_config)
@@ -456,7 +460,8 @@ def install(module) -> None:
 
 # ------------------------------------------------------------------------------------------- the launcher's gate
 TOKENIZER_ENV = "SPECGRAMMAR_VLLM_TOKENIZER"
-ENGINE_ENV = "SPECGRAMMAR_VLLM_ENGINE"
+# the launcher's --structured-outputs-config (a JSON object): the engine and options of vLLM's backend, for the gate
+STRUCTURED_ENV = "SPECGRAMMAR_VLLM_STRUCTURED_OUTPUTS"
 _GATE: dict = {}
 
 
@@ -472,26 +477,37 @@ def gate_check(spec, options, max_tokens: int | None) -> None:
     check_budget(gate_compile(spec), options, int(max_tokens))
 
 
+def gate_engine() -> tuple[str, dict]:
+    """The engine and compile options of vLLM's backend as the launcher configured it (``SPECGRAMMAR_VLLM_STRUCTURED_
+    OUTPUTS``, from ``--structured-outputs-config``; xgrammar in its strict mode by default), read by the one
+    mapping the engine's budget and proposers use (``structured.backend_options``)."""
+    from .structured import backend_options
+
+    try:
+        cfg = json.loads(os.environ.get(STRUCTURED_ENV) or "null")
+    except ValueError:
+        cfg = None
+    return backend_options(cfg if isinstance(cfg, dict) else None)
+
+
 def gate_compile(spec):
     """``spec`` compiled strictly for the served tokenizer (``SPECGRAMMAR_VLLM_TOKENIZER``, set by the launcher)
-    with the engine of vLLM's backend (``SPECGRAMMAR_VLLM_ENGINE``, from ``--structured-outputs-config``; xgrammar
-    by default, in its strict mode as vLLM 0.32 compiles), under the request's deadline, in a compile worker the
-    launcher runs (``compile_isolation="process"``: killed at the deadline or past its memory limit).  None
-    without a tokenizer (a model vLLM loads from a hub name: vLLM's backend alone then decides)."""
+    with the engine and options of vLLM's backend (``gate_engine``), under the request's deadline, in a compile
+    worker the launcher runs (``compile_isolation="process"``: killed at the deadline or past its memory limit).
+    None without a tokenizer (a model vLLM loads from a hub name: vLLM's backend alone then decides)."""
     from specgrammar_plugins.api import compile_constraint
 
     name = os.environ.get(TOKENIZER_ENV)
     if spec is None or not name:
         return None
-    engine = os.environ.get(ENGINE_ENV, "xgrammar")
+    engine, options = gate_engine()
     tok = _GATE.get((name, engine))  # one tokenizer table per process
     if tok is None:
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(name)
         tok = _GATE[(name, engine)] = grammar_tokenizer(hf, _vocab_size(name, hf), engine)
-    return compile_constraint(spec, tok, engine=engine, **({"xgrammar_strict_mode": True} if engine == "xgrammar"
-                                                             else {}))
+    return compile_constraint(spec, tok, engine=engine, **options)
 
 
 def _vocab_size(name: str, hf) -> int:

@@ -86,26 +86,6 @@ def vllm_host():
     return Host("the vLLM launcher", honours=HONOURED, n=True, prompt_types=(), models=models)
 
 
-def _xargs_options(body: dict) -> dict | None:
-    """``vllm_xargs.specgrammar`` (vLLM's extension field: strings, numbers and lists only, so options arrive as a
-    JSON string of an object), as an object; a value that is not one is refused.  Before the launcher checked it,
-    a non-object there killed vLLM's EngineCore (the proposer called ``.items()`` on it)."""
-    from specgrammar_plugins.api import Refused
-
-    xargs = body.get("vllm_xargs")
-    if not isinstance(xargs, dict) or "specgrammar" not in xargs:
-        return None
-    raw = xargs["specgrammar"]
-    try:
-        opts = json.loads(raw) if isinstance(raw, str) else raw
-    except (ValueError, RecursionError):
-        opts = None
-    if not isinstance(opts, dict):
-        raise Refused(400, "vllm_xargs.specgrammar must be an object of specgrammar options, sent as a JSON string "
-                      "(or send a top-level \"specgrammar\" object)", "vllm_xargs.specgrammar")
-    return opts
-
-
 def gate_body(raw: bytes) -> bytes | None:
     """The request body vLLM should see, or None to pass the original on; raises ``Refused`` for a request the
     gate answers itself.
@@ -159,18 +139,21 @@ def warm_up() -> None:
 
 
 def _gate_body(raw: bytes, deadline) -> bytes | None:
-    from specgrammar_plugins.api import Refused, SpecGrammarError, check_request, json_object, plan_options
+    from specgrammar_plugins.api import (Refused, SpecGrammarError, check_request, json_object, options_in,
+                                         plan_options)
 
     body = json_object(raw)
-    xopts = _xargs_options(body)
-    if xopts is not None and body.get("specgrammar") is not None:
-        raise Refused(400, "give specgrammar options once: a top-level \"specgrammar\" object or "
-                      "vllm_xargs.specgrammar", "specgrammar")
-    checked_body = dict(body, specgrammar=xopts) if xopts is not None else body
-    if checked_body.get("model") in (None, ""):  # vLLM serves its first model to a request that names none
-        checked_body = {k: v for k, v in checked_body.items() if k != "model"}
     changed = False
     try:
+        # vllm_xargs.specgrammar: vLLM's extension field (strings only: a JSON string of an object; the core's one
+        # reader of it, as the engine's budget mask reads it; a value that is not one is a 400)
+        xopts = options_in(body.get("vllm_xargs"), "vllm_xargs.specgrammar")
+        if xopts is not None and body.get("specgrammar") is not None:
+            raise Refused(400, "give specgrammar options once: a top-level \"specgrammar\" object or "
+                          "vllm_xargs.specgrammar", "specgrammar")
+        checked_body = dict(body, specgrammar=xopts) if xopts is not None else body
+        if checked_body.get("model") in (None, ""):  # vLLM serves its first model to a request that names none
+            checked_body = {k: v for k, v in checked_body.items() if k != "model"}
         checked = check_request(checked_body, vllm_host())
         plan_options(checked.options, os.environ.get(RECIPES_ENV) or None)  # recipe: a pack name the proposer
         # will find (RecipePackError: 400 naming the packs)
@@ -373,19 +356,18 @@ def configure_gate(args: list[str], model: str | None) -> None:
     fork its EngineCore after this, and a forked child must not share the parent's worker pipes."""
     from specgrammar_plugins.api import LIMITS
 
-    from .budget_mask import ENGINE_ENV
-    from .structured import ENGINES
+    from .budget_mask import STRUCTURED_ENV
 
     names = _values_of(args, "--served-model-name") or ([model] if model else [])
     if names and not any(a.startswith(("--enable-lora", "--lora-modules")) for a in args):
         os.environ.setdefault(SERVED_ENV, json.dumps(names))
     raw = _value_of(args, "--structured-outputs-config")
     try:
-        backend = (json.loads(raw) or {}).get("backend") if raw else None
-    except (ValueError, AttributeError):
-        backend = None
-    if backend in ENGINES:
-        os.environ.setdefault(ENGINE_ENV, ENGINES[backend])
+        cfg = json.loads(raw) if raw else None
+    except ValueError:
+        cfg = None
+    if isinstance(cfg, dict):
+        os.environ.setdefault(STRUCTURED_ENV, json.dumps(cfg))
     LIMITS.compile_isolation = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "process").strip()
 
 

@@ -58,13 +58,20 @@ def params_key(so) -> tuple | None:
 
 def engine_options(vllm_config) -> tuple[str, dict]:
     """(our engine name, compile options) matching vLLM's structured-output backend configuration."""
-    so_cfg = getattr(vllm_config, "structured_outputs_config", None)
-    backend = getattr(so_cfg, "backend", "xgrammar") or "xgrammar"
+    return backend_options(getattr(vllm_config, "structured_outputs_config", None))
+
+
+def backend_options(so_cfg) -> tuple[str, dict]:
+    """(our engine name, compile options) for vLLM's ``structured_outputs_config``: the engine's (``engine_options``)
+    or, in the launcher's API server, where no engine config exists, the object of ``--structured-outputs-config``
+    (a dict, or None), so the gate compiles with the options the engine enforces (``budget_mask.gate_compile``)."""
+    get = so_cfg.get if isinstance(so_cfg, dict) else (lambda name, default=None: getattr(so_cfg, name, default))
+    backend = get("backend", "xgrammar") or "xgrammar"
     engine = ENGINES.get(backend, "xgrammar")  # "auto" resolves to xgrammar for what xgrammar supports
     options = {}
     if engine == "xgrammar":  # vLLM 0.32's backend compiles with xgrammar's default, strict_mode on
         options["xgrammar_strict_mode"] = True
-    if getattr(so_cfg, "disable_any_whitespace", False):
+    if get("disable_any_whitespace", False):
         options["any_whitespace"] = False
     return engine, options
 

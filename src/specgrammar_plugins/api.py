@@ -4,7 +4,8 @@ Everything a host adapter (``adapters/specgrammar_mlx_lm``, ``specgrammar_llama_
 third party's) needs is named here; what is not named here is the core's own business and may change.  The layers
 contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this module only.
 
-- request -> constraint and options: ``parse_request``, ``SpecOptions``; compiling: ``compile_constraint``
+- request -> constraint and options: ``parse_request``, ``SpecOptions``, ``options_in`` (the options sent in a
+  host's extension field of strings, vLLM's ``vllm_xargs`` / ``extra_args``: one reader, one 400); compiling: ``compile_constraint``
   (cached: ``COMPILE_CACHE``), ``LIMITS``, ``COMPILE_POOL``;
 - the one road to decoding: ``make_loop`` (hosts that let us own decoding), ``make_drafter`` + ``DraftBlock`` +
   ``fill`` (hosts that verify drafts themselves), ``with_defaults`` (merge host defaults into request options),
@@ -70,7 +71,7 @@ from .resources import patch_path
 from .plugins import drafters as registered_drafters
 from .prefix import common_prefix_len, sync_runner
 from .recipes import RecipePackError, resolve as resolve_pack, resolve_name as resolve_pack_name
-from .requests import DEFAULT_DRAFTERS, SpecOptions, parse_request
+from .requests import DEFAULT_DRAFTERS, SpecOptions, options_in, parse_request
 from .serving import (PromptCounter, RequestPlan, RowCut, RowPlan, compile_for, draft_k, encode_prompt, logged,
                       plan_options, sampling_params, served_names, stop_ids, tokenizer_info, wait_for,
                       widen_listen_backlog)
@@ -89,7 +90,7 @@ __all__ = [
     "SpecGrammarError", "SpecOptions", "SpeculativeLoop", "Stats", "StopOnlyMask", "TokenizerInfo",
     "TokenizerMismatchError", "UnknownModelError", "Verdict", "budget_of", "check_budget", "check_request", "common_prefix_len", "compile_constraint", "fill",
     "allowed_ids", "give_back_memory", "rss_bytes", "TRIM_SLACK_BYTES", "is_model_name", "law_backend", "log_law", "make_drafter", "make_loop", "mask_allows", "mask_words", "new_mask",
-    "normalize_gbnf", "parse_request", "patch_path", "prepare_deadline", "registered_drafters", "resolve_model", "resolve_pack", "resolve_pack_name", "set_bit",
+    "normalize_gbnf", "options_in", "parse_request", "patch_path", "prepare_deadline", "registered_drafters", "resolve_model", "resolve_pack", "resolve_pack_name", "set_bit",
     "sync_runner", "unpack_mask", "verify_block",
     "with_defaults",
     "PromptCounter", "RequestPlan", "RowCut", "RowPlan", "compile_for", "draft_k", "encode_prompt", "logged",

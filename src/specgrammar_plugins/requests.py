@@ -18,6 +18,7 @@ Parsers are registered through the ``register_request_parsers`` hook; the built-
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,25 @@ def parse_options(obj: Any) -> SpecOptions:
     _opt(budget_mask is None or isinstance(budget_mask, bool), "budget_mask", "must be true or false")
     return SpecOptions(k, tuple(drafters), engine, recipe, trigger, budget, None if lam is None else float(lam),
                        adaptive, budget_mask=budget_mask)
+
+
+def options_in(extra: Any, field: str) -> dict | None:
+    """The ``specgrammar`` options a request sent in a host's extension object ``extra``, whose values may be
+    strings only (vLLM's ``vllm_xargs``, which reaches the engine as ``SamplingParams.extra_args``): an object, or
+    the JSON text of one.  None when ``extra`` holds none; anything else (text that is not JSON, a JSON value that
+    is not an object, ``null``) raises ``RequestError`` naming ``field`` (servers answer 400; before the vLLM
+    launcher checked it, a non-object there killed vLLM's EngineCore).  The keys are checked by ``parse_options``."""
+    if not isinstance(extra, dict) or "specgrammar" not in extra:
+        return None
+    raw = extra["specgrammar"]
+    try:
+        opts = json.loads(raw) if isinstance(raw, str) else raw
+    except (ValueError, RecursionError):
+        opts = None
+    if not isinstance(opts, dict):
+        raise RequestError(f"{field} must be an object of specgrammar options, sent as a JSON string (or send a "
+                           "top-level \"specgrammar\" object)", field=field)
+    return opts
 
 
 def _schema_spec(schema: Any, where: str) -> ConstraintSpec:
