@@ -577,8 +577,10 @@ def test_a_request_with_its_own_k_is_a_batched_row(tiny, monkeypatch):
     G = importlib.import_module("mlx_lm.generate")
     monkeypatch.setattr(G, "GenerationBatch", batch_server.generation_batch_class())
     loops = []
-    make = batch_server.make_loop
-    monkeypatch.setattr(batch_server, "make_loop", lambda *a, **kw: loops.append(make(*a, **kw)) or loops[-1])
+    from specgrammar_plugins import serving  # (a batched row's loop starts there: ServedRow.start)
+
+    make = serving.make_loop
+    monkeypatch.setattr(serving, "make_loop", lambda *a, **kw: loops.append(make(*a, **kw)) or loops[-1])
     ex = examples("json_extraction", "eval", 1)[0]
     body = {**_body(ex), "specgrammar": {"k": 1, "drafters": ["forced", "prompt"]}}
     fields = server_plugin.request_fields(json.loads(json.dumps(body)), provider)

@@ -30,38 +30,12 @@ from __future__ import annotations
 
 import logging
 import time
-import numpy as np
 
-from specgrammar_plugins.api import RowRunner, draft_rows, make_loop
+from specgrammar_plugins.api import ServedRow, draft_rows
 
 from .batch import MLXDraftBatch, _MaskedRows, forward_rows, host_rows, masked, rollback_rows
 
 log = logging.getLogger("specgrammar.mlx_lm")
-
-
-class _Row:
-    __slots__ = ("plan", "procs", "loop", "fresh", "pending", "done", "own_first")
-
-    def __init__(self, plan, procs, own_first=False):
-        self.plan = plan  # RowPlan | None (a plain row)
-        self.procs = procs  # the server's guarded processors (its ``error`` answers the request), or None
-        self.loop = None
-        self.fresh = plan is not None  # its loop is not started yet
-        # True: mlx-lm did not feed the prompt's last token (``_SpecMixin._step``): the row's loop starts with it
-        # pending, as our serial loop does; False: mlx-lm sampled the row's first token, not answered yet
-        self.own_first = own_first
-        self.pending = None
-        self.done = False
-
-
-def _row_plan(processors):
-    """(RowPlan, the guarded processors object) when the row's only processor is our grammar processor."""
-    for p in processors or ():
-        inner = getattr(p, "processors", None)
-        items = inner if inner is not None else [p]
-        if len(items) == 1 and getattr(items[0], "batch_row", None) is not None and len(processors) == 1:
-            return items[0].batch_row, (p if inner is not None else None)
-    return None, None
 
 
 def _rollable(cache) -> bool:
@@ -113,8 +87,7 @@ class _SpecMixin:
         # feeds the prompts' last tokens and samples each row's first token (``_step``), unless every new row is a
         # speculative row: then their loops feed it with their first drafts
         super().__init__(*args, **kwargs)
-        self._rows = [_Row(*_row_plan(p), own_first=self._own_first)
-                      for p in (self.logits_processors or [[]] * len(self.uids))]
+        self._rows = [ServedRow.of(p, self._own_first) for p in (self.logits_processors or [[]] * len(self.uids))]
         self._drafts = None  # MLXDraftBatch: the rows' draft models (made at the first row that drafts with it)
 
     def _step(self):
@@ -132,13 +105,13 @@ class _SpecMixin:
 
     def _all_speculative(self) -> bool:
         procs = self.logits_processors or []
-        return (len(procs) == len(self.uids) and all(_row_plan(p)[0] is not None for p in procs)
+        return (len(procs) == len(self.uids) and all(ServedRow.of(p).plan is not None for p in procs)
                 and _rollable(self.prompt_cache))
 
     # ------------------------------------------------------------------ keep the rows in step with the batch
     def extend(self, batch):
         super().extend(batch)
-        self._rows.extend(getattr(batch, "_rows", None) or [_Row(None, None) for _ in batch.uids])
+        self._rows.extend(getattr(batch, "_rows", None) or [ServedRow() for _ in batch.uids])
 
     def filter(self, keep):
         super().filter(keep)
@@ -168,7 +141,7 @@ class _SpecMixin:
             if r.plan is not None and not r.done and r.fresh:
                 r.fresh = False
                 self._start(i, r, cur[i], out)
-        live = [i for i, r in enumerate(self._rows) if r.plan is not None and not r.done and r.loop is not None]
+        live = [i for i, r in enumerate(self._rows) if r.live]
         drafted = dict(zip(live, draft_rows([(self._rows[i], self._rows[i].loop) for i in live], self._drafts)))
         feeds, blocks = [], []
         for i, r in enumerate(self._rows):
@@ -177,12 +150,7 @@ class _SpecMixin:
                 self._fault(i, r, block, out)
                 block = None
             blocks.append(block)
-            if r.plan is None:
-                feeds.append([cur[i]])
-            elif block is not None:
-                feeds.append([r.pending, *block.tokens])
-            else:
-                feeds.append([0])  # a row that finished or failed this round: removed below
+            feeds.append(r.feed(cur[i], block))
         kept = [1 if r.plan is None else 0 for r in self._rows]
         t_fwd = time.perf_counter_ns()
         logits = forward_rows(self.model, self.prompt_cache, feeds)
@@ -194,16 +162,11 @@ class _SpecMixin:
         for i, (r, block) in enumerate(zip(self._rows, blocks)):
             if block is None:
                 continue
-            runner = r.loop.target
-            runner.fed(feeds[i])
-            before = runner.dropped
             try:
-                c = r.loop._judge(block, host[i, : len(feeds[i])], t_fwd)
-                r.loop._settled(c)
+                c, kept[i] = r.judge(block, feeds[i], host[i, : len(feeds[i])], t_fwd)
             except Exception as e:
                 self._fault(i, r, e, out)
                 continue
-            kept[i] = len(feeds[i]) - (runner.dropped - before)
             self.tokens[i].extend(feeds[i][: kept[i]])
             rows = logits[i]
             for j, t in enumerate(c.tokens):
@@ -211,44 +174,28 @@ class _SpecMixin:
                 if self._answer(i, r, t, rows[j] - mx.logsumexp(rows[j], keepdims=True),
                                 c.finish_reason if last else None, out):
                     break
-            r.pending = c.tokens[-1] if c.tokens else r.pending
         rollback_rows(self.prompt_cache, width, kept)
-        self._next_tokens = mx.array([r.pending if r.plan is not None and r.pending is not None else t
-                                      for r, t in zip(self._rows, self._next_tokens.tolist())], dtype=mx.uint32)
+        self._next_tokens = mx.array([r.next_token(t) for r, t in zip(self._rows, self._next_tokens.tolist())],
+                                     dtype=mx.uint32)
         return self._responses(out)
 
     def _start(self, i, r, first, out):
-        """The row's loop starts.  ``own_first``: ``first`` is the prompt's last token, pending (the cache holds the
-        prompt before it), as in our serial loop.  Else ``first`` is the row's first token (sampled by mlx-lm under
-        the grammar processor): it is answered, and the loop starts with it in its history (the cache holds the whole
-        prompt)."""
-        p = r.plan
+        """The row's loop starts (``ServedRow.start``).  ``own_first``: ``first`` is the prompt's last token, pending
+        (the cache holds the prompt before it), as in our serial loop.  Else ``first`` is the row's first token
+        (sampled by mlx-lm under the grammar processor): it is answered, and the loop starts with it in its history
+        (the cache holds the whole prompt)."""
         if not r.own_first and r.procs is not None and getattr(r.procs, "error", None) is not None:
             r.done = True  # its processor failed on the first token: the server answers the error
             out.append((i, first, self._next_logprobs[i], None))
             return
         try:
-            # own_first: the cache holds the prompt but its last token (``first``, pending); else the whole prompt
-            prompt = [*self.tokens[i], first] if r.own_first else list(self.tokens[i])
-            held = prompt[:-1] if r.own_first else prompt
-            loop = make_loop(RowRunner(held, self.model_width, "mlx"), prompt, p.options, constraint=p.compiled,
-                             params=p.params, rng=np.random.default_rng(p.seed), max_tokens=self.max_tokens[i],
-                             draft_runner=self._draft_row(r, held))
-            if not r.own_first:
-                if loop.matcher is not None and not loop.matcher.accept(first):
-                    raise RuntimeError(f"the first token {first} is outside the grammar")
-                loop.emitted.append(first)
-                loop.stats.emitted = 1
+            finish = r.start(self.tokens[i], first, self.model_width, "mlx", self.max_tokens[i],
+                             self._draft_row(r, list(self.tokens[i])))
         except Exception as e:
             self._fault(i, r, e, out)
             return
-        r.loop, r.pending = loop, first
-        if r.own_first:
-            return
-        finish = None
-        if first in loop.stop_token_ids or (loop.matcher is not None and loop.matcher.is_terminated()):
-            finish = "stop"
-        self._answer(i, r, first, self._next_logprobs[i], finish, out)
+        if not r.own_first:
+            self._answer(i, r, first, self._next_logprobs[i], finish, out)
 
     def _draft_row(self, r, prompt):
         """The row's ``DraftRow`` in the batched draft cache (its prompt prefilled), when the server has a draft
@@ -270,37 +217,17 @@ class _SpecMixin:
         return w
 
     def _answer(self, i, r, token, logprobs, finish, out) -> bool:
-        """Answer one committed token of row ``i`` (the host's max_tokens and stop sequences checked); True when
-        the row is done."""
+        """Answer one committed token of row ``i`` (``ServedRow.answer``, with mlx-lm's max_tokens and stop
+        sequences); True when the row is done."""
         self._num_tokens[i] += 1
-        if self._num_tokens[i] >= self.max_tokens[i]:
-            finish = "length"
-        if self._matchers[i].advance(token):
-            finish = "stop"
-        elif finish == "stop" and r.loop is not None and token not in r.loop.stop_token_ids:
-            # the grammar ended without a stop token: the host's "stop" drops the last token's text, so that token
-            # is answered first and a stop token after it
-            out.append((i, token, logprobs, None))
-            token, finish = min(r.loop.stop_token_ids), "stop"
-        out.append((i, token, logprobs, finish))
-        if finish is not None:
-            r.done = True
-            if r.loop is not None:
-                first = 0 if r.own_first else 1  # the pass that sampled the row's first token
-                st = r.loop.stats
-                log.info("specgrammar batch: %d tokens, %d target passes (%.2f tokens/pass), acceptance %.2f",
-                         st.emitted, st.target_passes + first, st.emitted / (st.target_passes + first),
-                         st.acceptance)
+        for t, f in r.answer(token, finish, self._num_tokens[i] >= self.max_tokens[i],
+                             self._matchers[i].advance(token), log):
+            out.append((i, t, logprobs, f))
         return r.done
 
     def _fault(self, i, r, e, out):
         log.error("specgrammar: a batched request failed (%s: %s); the others go on", type(e).__name__, e)
-        r.done = True
-        if r.procs is not None and getattr(r.procs, "error", None) is None:
-            r.procs.error = e  # the server answers the request with it and removes the row
-            out.append((i, 0, None, None))
-        else:
-            out.append((i, 0, None, "stop"))
+        out.append((i, 0, None, r.fail(e)))  # (with the request's error: the server answers it, removes the row)
 
     def _plain(self, plain, cur, logits, out):
         """Rows without drafts: ``GenerationBatch._step`` for them, on their first logits row of this pass."""

@@ -229,7 +229,7 @@ def is_batchable(args, model_provider, waiting):
 def _speculative_row(plan: RequestPlan | None, args, model_provider) -> bool:
     """Whether the request, batched, is a speculative row that drafts as our serial loop does: constrained, batch
     drafts on (``_batch_row``), no sampling our verifier does not rebuild (xtc), no logits processor of mlx-lm's
-    besides ours (``batch_server._row_plan``), target and draft caches that roll back per row
+    besides ours (``api.ServedRow.of``), target and draft caches that roll back per row
     (``batch_server._draft_rollable``)."""
     if plan is None or plan.spec is None or _config["batch_drafts"] != "on":
         return False

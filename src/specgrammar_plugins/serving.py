@@ -28,6 +28,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
+from .batch import RowRunner
 from .compiler import compile_constraint
 from .constraint import CompiledConstraint, ConstraintSpec
 from .distributions import SamplingParams
@@ -35,6 +38,7 @@ from .errors import RequestError
 from .plugins import drafters as registered_drafters
 from .recipes import resolve_name as resolve_pack_name
 from .requests import SpecOptions
+from .speculation import make_loop
 from .tokenizer import TokenizerInfo
 
 
@@ -103,6 +107,122 @@ class RowCut:
 
     def restrict(self, row, generated) -> bool:
         return self.budget.mask_row(row, generated)
+
+
+class ServedRow:
+    """One request's row in a host's own batch (a server's batching path), as our loop serves it: the host-neutral
+    bookkeeping of a speculative row (its ``RowPlan``, its ``SpeculativeLoop`` on a ``RowRunner``, the token pending
+    for the next pass) and of a plain row (``plan`` None: decoded by the host, answered here), with the host's
+    stop rules (``answer``).  The host keeps its tensors: it feeds ``feed``'s tokens in its batched pass, judges each
+    speculative row on its own logits rows (``judge``) and rolls its cache back by what the row kept.
+
+    ``procs``: the host's handle of the request (mlx-lm's guarded processors), whose ``error`` the host answers the
+    request with (``fail``).  ``own_first``: the host did not feed the prompt's last token (every new row of its
+    prefill was speculative): the row's loop starts with it pending, as our serial loop does; else the host sampled
+    the row's first token under the grammar processor and the loop starts with it in its history."""
+
+    __slots__ = ("plan", "procs", "loop", "fresh", "pending", "done", "own_first")
+
+    def __init__(self, plan: RowPlan | None = None, procs=None, own_first: bool = False):
+        self.plan, self.procs, self.own_first = plan, procs, own_first
+        self.loop = None
+        self.fresh = plan is not None  # its loop is not started yet
+        self.pending = None
+        self.done = False
+
+    @classmethod
+    def of(cls, processors, own_first: bool = False) -> "ServedRow":
+        """The row of a host's per-request logits processors: speculative when its only processor is our grammar
+        processor carrying a ``RowPlan`` (``batch_row``), alone or as the only one in the host's guarded list (whose
+        ``processors`` are the row's own: then that list is ``procs``); else a plain row."""
+        for p in processors or ():
+            inner = getattr(p, "processors", None)
+            items = inner if inner is not None else [p]
+            if len(items) == 1 and getattr(items[0], "batch_row", None) is not None and len(processors) == 1:
+                return cls(items[0].batch_row, p if inner is not None else None, own_first)
+        return cls(None, None, own_first)
+
+    @property
+    def live(self) -> bool:
+        """A started speculative row that is not done: it drafts and is judged this pass."""
+        return self.plan is not None and not self.done and self.loop is not None
+
+    def start(self, tokens, first: int, width: int, tensors: str | None, max_tokens: int, draft_runner=None):
+        """The row's loop starts (``make_loop`` on a ``RowRunner`` holding ``tokens``, what the host's cache holds);
+        ``first``: the prompt's last token, pending (``own_first``), or the row's first token, sampled by the host,
+        which must be in the grammar.  Returns that first token's finish reason ("stop" where it ends the row;
+        None, and None for a pending one); raises where the loop cannot start (the host fails the row)."""
+        p = self.plan
+        held = list(tokens)
+        loop = make_loop(RowRunner(held, width, tensors), [*held, first] if self.own_first else held, p.options,
+                         constraint=p.compiled, params=p.params, rng=np.random.default_rng(p.seed),
+                         max_tokens=max_tokens, draft_runner=draft_runner)
+        if not self.own_first:
+            if loop.matcher is not None and not loop.matcher.accept(first):
+                raise RuntimeError(f"the first token {first} is outside the grammar")
+            loop.emitted.append(first)
+            loop.stats.emitted = 1
+        self.loop, self.pending = loop, first
+        if not self.own_first and (first in loop.stop_token_ids
+                                   or (loop.matcher is not None and loop.matcher.is_terminated())):
+            return "stop"
+        return None
+
+    def feed(self, token: int, block) -> list[int]:
+        """What the row feeds the host's batched pass: a plain row its ``token``; a speculative row its pending
+        token and ``block``'s drafts; a row that finished or failed this round (no block) one filler token."""
+        if self.plan is None:
+            return [token]
+        return [self.pending, *block.tokens] if block is not None else [0]
+
+    def judge(self, block, feed: list[int], logits, t_fwd: int):
+        """The row's loop verifies its drafts on its own logits rows (``SpeculativeLoop._judge``, the serial loop's
+        law and budget check) and commits: (the ``Commit``, how many of ``feed``'s positions the host's cache keeps)."""
+        runner = self.loop.target
+        runner.fed(feed)
+        before = runner.dropped
+        c = self.loop._judge(block, logits, t_fwd)
+        self.loop._settled(c)
+        self.pending = c.tokens[-1] if c.tokens else self.pending
+        return c, len(feed) - (runner.dropped - before)
+
+    def next_token(self, token: int) -> int:
+        """The token the host feeds the row next: a speculative row's pending token, else the host's own."""
+        return self.pending if self.plan is not None and self.pending is not None else token
+
+    def answer(self, token: int, finish: str | None, length: bool, stopped: bool,
+               log: logging.Logger | None = None) -> list[tuple[int, str | None]]:
+        """The responses for one committed token, [(token, finish reason)]: ``length``, the host's max_tokens is
+        reached; ``stopped``, the host's stop sequences matched (its "stop" drops the last token's text).  A grammar
+        that ended without a stop token answers its last token first, then a stop token.  A row that finishes is
+        done (its loop's statistics logged to ``log``)."""
+        out: list[tuple[int, str | None]] = []
+        if length:
+            finish = "length"
+        if stopped:
+            finish = "stop"
+        elif finish == "stop" and self.loop is not None and token not in self.loop.stop_token_ids:
+            out.append((token, None))
+            token = min(self.loop.stop_token_ids)
+        out.append((token, finish))
+        if finish is not None:
+            self.done = True
+            if self.loop is not None and log is not None:
+                first = 0 if self.own_first else 1  # the host's pass that sampled the row's first token
+                st = self.loop.stats
+                log.info("specgrammar batch: %d tokens, %d target passes (%.2f tokens/pass), acceptance %.2f",
+                         st.emitted, st.target_passes + first, st.emitted / (st.target_passes + first),
+                         st.acceptance)
+        return out
+
+    def fail(self, e: BaseException) -> str | None:
+        """The row fails with ``e``: done; the host answers the request with ``e`` through ``procs.error`` (finish
+        None: the host removes the row), or, without a handle or where it already holds an error, ends it ("stop")."""
+        self.done = True
+        if self.procs is not None and getattr(self.procs, "error", None) is None:
+            self.procs.error = e
+            return None
+        return "stop"
 
 
 class PromptCounter:
