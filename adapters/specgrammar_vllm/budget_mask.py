@@ -50,7 +50,6 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import replace
 
 import numpy as np
 
@@ -274,46 +273,17 @@ def _request_options(sp) -> dict | None:
         return None
 
 
-_TOKS: dict = {}  # (tokenizer name, vocab size, engine) -> TokenizerInfo as the backend reads it
-
-
 def grammar_tokenizer(hf, vocab_size: int, engine: str):
-    """The tokenizer as vLLM's structured-output backend reads it (xgrammar: its own decoded vocabulary and special
-    tokens, as ``proposer.GrammarStates._as_vllm_sees_it``), cached per tokenizer."""
-    from specgrammar_plugins.api import TokenizerInfo
+    """The tokenizer as vLLM's structured-output backend reads it (``api.engine_tokenizer``: xgrammar's own view)."""
+    from specgrammar_plugins.api import engine_tokenizer
 
-    key = (getattr(hf, "name_or_path", id(hf)), vocab_size, engine)
-    tok = _TOKS.get(key)
-    if tok is None:
-        tok = TokenizerInfo.from_hf(hf, vocab_size=vocab_size)
-        if engine == "xgrammar":
-            try:
-                import xgrammar as xgr
-
-                xi = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size)
-                decoded = xi.decoded_vocab
-                specials = frozenset(int(i) for i in xi.special_token_ids)
-                n = min(len(decoded), vocab_size)
-                tok = replace(tok, token_bytes=tuple(b"" if i in specials else bytes(decoded[i]) for i in range(n)),
-                              special_ids=specials)
-            except Exception as e:
-                log.warning("specgrammar: could not read the tokenizer as xgrammar does (%s); using ours", e)
-        _TOKS[key] = tok
-    return tok
-
-
-def with_stops(tok, stop_ids, eos):
-    stop_ids = tuple(sorted(int(t) for t in (stop_ids or ())))
-    if not stop_ids:
-        return tok
-    first = eos if eos in stop_ids else stop_ids[0]
-    return replace(tok, eos_token_id=first, stop_token_ids=tuple(dict.fromkeys([first, *stop_ids])))
+    return engine_tokenizer(hf, vocab_size, engine, log)
 
 
 def build(manager, request):
     """The request's core ``Budget`` (None: no constraint we map, no max_tokens, or the mask is off); raises
     ``BudgetError`` when the shortest completion does not fit."""
-    from specgrammar_plugins.api import SpecOptions, check_budget
+    from specgrammar_plugins.api import SpecOptions, check_budget, with_stops
 
     from .structured import ENGINES, compile_as_enforced, engine_options, spec_from_params
 
@@ -495,7 +465,7 @@ def gate_compile(spec):
     with the engine and options of vLLM's backend (``gate_engine``), under the request's deadline, in a compile
     worker the launcher runs (``compile_isolation="process"``: killed at the deadline or past its memory limit).
     None without a tokenizer (a model vLLM loads from a hub name: vLLM's backend alone then decides)."""
-    from specgrammar_plugins.api import compile_constraint
+    from specgrammar_plugins.api import compile_constraint, model_vocab_size
 
     name = os.environ.get(TOKENIZER_ENV)
     if spec is None or not name:
@@ -506,16 +476,8 @@ def gate_compile(spec):
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(name)
-        tok = _GATE[(name, engine)] = grammar_tokenizer(hf, _vocab_size(name, hf), engine)
+        tok = _GATE[(name, engine)] = grammar_tokenizer(hf, model_vocab_size(name, hf), engine)
     return compile_constraint(spec, tok, engine=engine, **options)
-
-
-def _vocab_size(name: str, hf) -> int:
-    try:
-        with open(os.path.join(name, "config.json")) as f:
-            return int(json.load(f)["vocab_size"])
-    except Exception:
-        return len(hf)
 
 
 def stats() -> dict:

@@ -39,6 +39,7 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
   request asks for), ``RowPlan`` (a batched speculative row), ``ServedRow`` (a request's row in a host's own batch:
   its loop's start, feed, verdict, and the answers with the host's stop rules), ``RowCut`` (a certified budget as a mask row),
   ``PromptCounter`` / ``served_names`` (the gate's host facts), ``tokenizer_info`` / ``compile_for`` / ``stop_ids``
+  / ``engine_tokenizer`` (as an engine reads it: xgrammar's view) / ``with_stops`` / ``model_vocab_size``
   / ``sampling_params`` / ``encode_prompt`` (a Hugging Face tokenizer's requests), ``wait_for``,
   ``widen_listen_backlog``, ``logged``;
 - what a host implements: ``ModelRunner`` (a model with a trimmable KV cache; ``HiddenStatesRunner``: one that also
@@ -73,7 +74,8 @@ from .plugins import drafters as registered_drafters
 from .prefix import common_prefix_len, sync_runner
 from .recipes import RecipePackError, resolve as resolve_pack, resolve_name as resolve_pack_name
 from .requests import DEFAULT_DRAFTERS, SpecOptions, options_in, parse_request
-from .serving import (PromptCounter, RequestPlan, RowCut, RowPlan, ServedRow, compile_for, draft_k, encode_prompt, logged,
+from .serving import (PromptCounter, RequestPlan, RowCut, RowPlan, ServedRow, compile_for, engine_tokenizer,
+                      model_vocab_size, with_stops, draft_k, encode_prompt, logged,
                       plan_options, sampling_params, served_names, stop_ids, tokenizer_info, wait_for,
                       widen_listen_backlog)
 from .speculation import budget_of, check_budget, make_drafter, make_loop, with_defaults
@@ -94,7 +96,8 @@ __all__ = [
     "normalize_gbnf", "options_in", "parse_request", "patch_path", "prepare_deadline", "registered_drafters", "resolve_model", "resolve_pack", "resolve_pack_name", "set_bit",
     "sync_runner", "unpack_mask", "verify_block",
     "with_defaults",
-    "PromptCounter", "RequestPlan", "RowCut", "RowPlan", "ServedRow", "compile_for", "draft_k", "encode_prompt", "logged",
+    "PromptCounter", "RequestPlan", "RowCut", "RowPlan", "ServedRow", "compile_for", "engine_tokenizer",
+    "model_vocab_size", "with_stops", "draft_k", "encode_prompt", "logged",
     "plan_options", "sampling_params", "served_names", "stop_ids", "tokenizer_info", "wait_for", "widen_listen_backlog",
     "FilePatch", "Hunk", "PatchError", "apply_diff", "diff_state", "parse_diff",
 ]

@@ -20,6 +20,7 @@ through ``api``:
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import threading
@@ -293,6 +294,56 @@ def tokenizer_info(tokenizer, width: int) -> TokenizerInfo:
     info = info.with_vocab_size(max(int(width), n)) if width else info
     _TOKINFO[key] = (tokenizer, info)
     return info
+
+
+_ENGINE_TOKS: dict = {}  # (tokenizer name, vocab size, engine) -> TokenizerInfo as the engine reads it
+
+
+def engine_tokenizer(hf, vocab_size: int, engine: str, log: logging.Logger | None = None) -> TokenizerInfo:
+    """A Hugging Face tokenizer as ``engine`` reads it, masks ``vocab_size`` wide, cached per tokenizer name: for
+    xgrammar, token bytes and special tokens from xgrammar's own view (``xgr.TokenizerInfo.from_huggingface``, as a
+    host's xgrammar backend reads it: vLLM's).  They can differ from ours: xgrammar 0.2.8 finds no special tokens in
+    a transformers-5 tokenizer whose specials are ``added_tokens``, so ``<|im_start|>`` is let through as text
+    inside JSON strings, where our reading (specials never allowed) would refuse it.  Where xgrammar cannot read it,
+    ours (a warning to ``log``); other engines: ours."""
+    key = (getattr(hf, "name_or_path", id(hf)), vocab_size, engine)
+    tok = _ENGINE_TOKS.get(key)
+    if tok is None:
+        tok = TokenizerInfo.from_hf(hf, vocab_size=vocab_size)
+        if engine == "xgrammar":
+            try:
+                import xgrammar as xgr
+
+                xi = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size)
+                decoded = xi.decoded_vocab
+                specials = frozenset(int(i) for i in xi.special_token_ids)
+                n = min(len(decoded), vocab_size)
+                tok = replace(tok, token_bytes=tuple(b"" if i in specials else bytes(decoded[i]) for i in range(n)),
+                              special_ids=specials)
+            except Exception as e:
+                (log or logging.getLogger("specgrammar")).warning(
+                    "specgrammar: could not read the tokenizer as xgrammar does (%s); using ours", e)
+        _ENGINE_TOKS[key] = tok
+    return tok
+
+
+def with_stops(tok: TokenizerInfo, stop_ids, eos: int | None) -> TokenizerInfo:
+    """``tok`` stopping on a request's stop tokens (a host's grammar ends on them: vLLM's ``all_stop_token_ids``),
+    the EOS first when it is one of them; ``tok`` itself without any."""
+    stop_ids = tuple(sorted(int(t) for t in (stop_ids or ())))
+    if not stop_ids:
+        return tok
+    first = eos if eos in stop_ids else stop_ids[0]
+    return replace(tok, eos_token_id=first, stop_token_ids=tuple(dict.fromkeys([first, *stop_ids])))
+
+
+def model_vocab_size(folder: str, hf) -> int:
+    """A model folder's output width (its ``config.json``'s ``vocab_size``), else the tokenizer's length."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return int(json.load(f)["vocab_size"])
+    except Exception:
+        return len(hf)
 
 
 def compile_for(constraint, tokenizer, width: int, engine: str | None = None) -> CompiledConstraint:
