@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from specgrammar_plugins.api import (GREEDY, ConstraintSpec, RowPlan, ServedRow, SpecOptions, compile_constraint,
+from specgrammar_plugins.api import (GREEDY, ConstraintSpec, RowCut, RowPlan, ServedRow, SpecOptions, compile_constraint,
                                      draft_rows, make_loop)
 from specgrammar_plugins.testing import MarkovRunner, toy_tokenizer
 
@@ -107,3 +107,43 @@ def test_the_row_among_a_hosts_processors_and_its_failure(compiled):
     assert row.fail(e) is None and guarded.error is e and row.done  # the host answers the request with it
     assert ServedRow.of([guarded]).fail(ValueError("again")) == "stop" and guarded.error is e
     assert ServedRow.of([ours]).fail(e) == "stop"
+
+
+def test_a_row_cut_checks_each_draft_once_as_the_whole_row_would():
+    """``RowCut`` (the budget as mask rows, vLLM's bitmask): the drafts its rows allow, each draft checked alone,
+    are those the budget's whole row at each prefix allows; a kept check answers ``known`` for the same drafts
+    after the same prefix, and nothing for another prefix."""
+    import numpy as np
+
+    from specgrammar_plugins.api import check_budget, mask_allows, new_mask
+
+    tok = toy_tokenizer(V)
+    spec = ConstraintSpec.regex("é?[0-9]{2,8}@example[.]com")
+    compiled = compile_constraint(spec, tok, engine="dfa")
+    budget = check_budget(compiled, SpecOptions(), 9)
+    cut = RowCut(budget, width=V, deterministic_drafts=True)
+    digits = tok.encode("1234567")
+
+    def whole(prefix, drafts):  # the reference: the grammar's row, cut at each prefix
+        m = compiled.matcher()
+        for t in prefix:
+            assert m.accept(t)
+        for i, t in enumerate(drafts):
+            row = new_mask(V)
+            m.fill_mask(row)
+            budget.mask_row(row, [*prefix, *drafts[:i]])
+            if not mask_allows(row, t):
+                return i
+            assert m.accept(t)
+        return len(drafts)
+
+    prefix = tok.encode("é")
+    want = whole(prefix, digits)
+    assert 0 < want < len(digits)  # "@example.com" must still fit: the budget ends the digits early
+    assert cut.fitting(np.array(prefix), digits, remember=True) == want
+    assert cut.known(prefix, digits) == (want, True)
+    assert cut.known(prefix, digits[:want]) == (want, False)
+    assert cut.known(prefix[:0], digits) == (0, False) and cut.known(prefix, [9, 9]) == (0, False)
+    assert cut.fitting(prefix, digits, start=want) == want  # (the known ones skipped)
+    sampled = RowCut(budget, width=V)  # sampled drafts stay whole: the host's row rejects a forbidden one
+    assert sampled.fitting(prefix, digits) == len(digits)

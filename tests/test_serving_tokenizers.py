@@ -48,3 +48,18 @@ def test_a_requests_stop_tokens():
     assert (t.eos_token_id, t.stop_token_ids) == (3, (3, 7))
     t = with_stops(toy, [9, 5], 0)  # the EOS is not one of them: the lowest first
     assert (t.eos_token_id, t.stop_token_ids) == (5, (5, 9))
+
+
+def test_the_gates_facts_from_a_tokenizer(hf):
+    from specgrammar_plugins.api import tokenizer_facts, tokenizer_info
+
+    wrapper = pytest.importorskip("mlx_lm.tokenizer_utils").TokenizerWrapper(hf)  # (a host's wrapper: mlx-lm's)
+    width = model_vocab_size(str(tiny_path("target")), hf)
+    facts = tokenizer_facts(wrapper, width, 2048.0, {})
+    info = tokenizer_info(wrapper, width)
+    longest = max(len(b) for b in info.token_bytes)
+    added = max(len(str(t).encode()) for t in hf.added_tokens_decoder.values())
+    assert (facts["context_length"], facts["vocab_size"], facts["max_token_bytes"]) == (2048, width,
+                                                                                         max(longest, added))
+    assert facts["count_tokens"]({"prompt": "ñandú 日本"}) == len(hf.encode("ñandú 日本"))
+    assert tokenizer_facts(wrapper, width)["context_length"] is None

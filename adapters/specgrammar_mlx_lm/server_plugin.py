@@ -55,15 +55,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import replace
 from pathlib import Path
 
 import pluggy
 
-from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, Host, PromptCounter, RequestPlan, RowCut,
-                                     RowPlan, SpecOptions, check_budget, check_request, compile_for, draft_k, logged,
-                                     plan_options, prepare_deadline, sampling_params, served_names, tokenizer_info,
-                                     wait_for, widen_listen_backlog)
+from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, Host, RequestPlan, RowCut, SpecOptions,
+                                     check_budget, compile_for, draft_k, logged, plan_request, prepare_deadline,
+                                     sampling_params, served_names, tokenizer_facts, wait_for, widen_listen_backlog)
 
 hookimpl = pluggy.HookimplMarker("mlx_lm.server")
 log = logging.getLogger("specgrammar.mlx_lm")
@@ -153,14 +151,8 @@ def _host(model_provider) -> Host:
     if model is not None and tokenizer is not None:
         from .runner import output_width
 
-        width = output_width(model)
-        info = tokenizer_info(tokenizer, width)
-        hf = getattr(tokenizer, "_tokenizer", tokenizer)
-        specials = [len(str(t).encode("utf-8")) for t in getattr(hf, "added_tokens_decoder", {}).values()]
-        ctx = _config["context_length"] or getattr(getattr(model, "args", None), "max_position_embeddings", None)
-        kw = dict(context_length=int(ctx) if ctx else None, vocab_size=width,
-                  max_token_bytes=max([1, *map(len, info.token_bytes), *specials]),
-                  count_tokens=PromptCounter(tokenizer, getattr(cli, "chat_template_args", None)))
+        kw = tokenizer_facts(tokenizer, output_width(model), _config["context_length"] or getattr(
+            getattr(model, "args", None), "max_position_embeddings", None), getattr(cli, "chat_template_args", None))
     host = Host("the mlx-lm server", models=tuple(dict.fromkeys(names)), fixed=fixed,
                 default_max_tokens=getattr(cli, "max_tokens", None), **kw)
     _host_cache["host"] = (model, tokenizer, host)
@@ -177,24 +169,14 @@ def request_fields(body, model_provider):
 
 
 def _prepare(body, host, model_provider):
-    # the gate: every field checked before any work (RequestError / ConstraintError are ValueErrors: the server
-    # answers their status, 400 or 404)
-    checked = check_request(body, host)
-    if not checked.max_tokens_given and checked.max_tokens is not None:
-        body["max_tokens"] = checked.max_tokens  # the server's default, cut to what the context leaves
-    spec, options = checked.spec, checked.options
-    explicit = body.get("specgrammar") is not None
-    if spec is None and not explicit:
-        return None
-    options = plan_options(options, _config["recipes"])  # drafters known; recipe: a name in --specgrammar-recipes
-    certified = False
-    if spec is not None:
+    # the core's reading of a request (RequestError / ConstraintError are ValueErrors: the server answers their
+    # status, 400 or 404); a constraint compiled now (the compile cache keeps it), its budget checked
+    def compile_now(spec, options):
         model, tokenizer = _wait_for_model(model_provider)
-        if model is not None:
-            compiled = _compile(spec, options, model, tokenizer)  # validates now; the compile cache keeps it
-            fit = check_budget(compiled, options, checked.max_tokens)  # the gate's: the request's or the default
-            certified = fit is not None and fit.settles  # BudgetError above: 400 naming the shortest length
-    return {"specgrammar": RequestPlan(spec, options, explicit, certified)}
+        return None if model is None else _compile(spec, options, model, tokenizer)
+
+    plan = plan_request(body, host, _config["recipes"], compile_now)  # recipe: a name in --specgrammar-recipes
+    return None if plan is None else {"specgrammar": plan}
 
 
 @hookimpl
@@ -276,10 +258,8 @@ def _batch_row(plan: RequestPlan, compiled, args):
     s = getattr(args, "sampling", None)
     if _config["batch_drafts"] != "on" or s is None or getattr(s, "xtc_probability", 0.0) > 0.0:
         return None
-    o = plan.options
-    return RowPlan(compiled, replace(o, k=draft_k(o, _config["k"], args.num_draft_tokens)),
-                   sampling_params(s.temperature, s.top_p, s.top_k, s.min_p),
-                   args.max_tokens)
+    return plan.row(compiled, _config["k"], args.num_draft_tokens,
+                    sampling_params(s.temperature, s.top_p, s.top_k, s.min_p), args.max_tokens)
 
 
 @hookimpl

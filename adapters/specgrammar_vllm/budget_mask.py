@@ -51,8 +51,6 @@ import threading
 import time
 import weakref
 
-import numpy as np
-
 log = logging.getLogger("vllm.specgrammar")
 
 MODULE = "vllm.v1.structured_output"
@@ -101,22 +99,25 @@ _VIEWS: dict = {}  # id of vLLM's bitmask tensor -> (the tensor, its numpy view)
 
 
 class BudgetedGrammar:
-    """vLLM's ``StructuredOutputGrammar`` of one request, with the budget cut after each row it fills.  The
-    generated tokens are tracked through ``accept_tokens`` / ``rollback`` / ``reset`` (vLLM advances the grammar
-    through a step's drafts while it fills their rows, then rolls back), so a row's prefix is always known."""
+    """vLLM's ``StructuredOutputGrammar`` of one request, with the budget cut after each row it fills (the core's
+    ``api.RowCut``: the row, and the drafts it allows).  The generated tokens are tracked through ``accept_tokens``
+    / ``rollback`` / ``reset`` (vLLM advances the grammar through a step's drafts while it fills their rows, then
+    rolls back), so a row's prefix is always known."""
 
     def __init__(self, inner, budget, req_id: str, margin: int = MARGIN, width: int = 0,
                  deterministic_drafts: bool = False):
-        self.inner, self.budget, self.req_id, self.margin = inner, budget, req_id, margin
-        self.words = (int(width) + 31) // 32
-        self.deterministic_drafts = deterministic_drafts
+        from specgrammar_plugins.api import RowCut
+
+        self.inner, self.req_id, self.margin = inner, req_id, margin
+        # the proposer's last check of this request's drafts (``fitting`` from ``fitting_drafts``) is kept there:
+        # ``validate_tokens`` reads its verdicts instead of checking the same drafts after the same prefix again
+        self.cut = RowCut(budget, margin, FAR, width, deterministic_drafts)
         self.tokens: list[int] = []
         self.lost = False
-        # the proposer's last check of this request's drafts (``fitting`` from ``fitting_drafts``): (the prefix it
-        # checked them after, then those drafts up to the first one refused; how many fit); ``validate_tokens``
-        # reads its verdicts instead of checking the same drafts after the same prefix a second time
-        self._checked: tuple[list[int], int, int] | None = None
-        self._zero: np.ndarray | None = None  # (fitting's one-draft row)
+
+    @property
+    def budget(self):
+        return self.cut.budget
 
     def __getattr__(self, name):  # everything else is vLLM's grammar's
         return getattr(self.inner, name)
@@ -132,76 +133,23 @@ class BudgetedGrammar:
         """vLLM's check of a step's drafts, then the budget's: drafts end before the first one the budget's row
         forbids, where drafts are a function of the prefix (greedy requests, argmax drafts, host drafts).  Sampled
         drafts are left whole (cutting a sampled draft by its value would bias vLLM's rejection sampler); the
-        row gives a forbidden one target probability 0 and it is rejected, exactly."""
+        row gives a forbidden one target probability 0 and it is rejected, exactly.  What the proposer's check of
+        the same drafts after the same prefix said is read, not checked again (``RowCut.known``)."""
         ok = self.inner.validate_tokens(tokens)
-        known, refused = self._known(ok)
+        known, refused = self.cut.known(self.tokens, ok)
         n = known if refused else self.fitting(self.tokens, ok, start=known)
         if n < len(ok):
             _count("budget_drafts_cut", len(ok) - n)
         return ok[:n]
 
-    def _known(self, drafts) -> tuple[int, bool]:
-        """What the proposer's check of this request's drafts (``_checked``) already says of ``drafts`` after this
-        grammar's prefix: (j, refused), the first j drafts fit and, where ``refused``, the next one does not.
-        (0, False) where it checked after another prefix or other drafts.  A row of the budget is a function of the
-        prefix alone (``Budget.mask_row``), so the same draft after the same prefix has the same verdict: the
-        drafts that reach vLLM's ``validate_tokens`` are checked once, by the proposer."""
-        c = self._checked
-        if c is None or not len(drafts):
-            return 0, False
-        seen, base, n = c
-        if len(self.tokens) != base or seen[:base] != self.tokens:
-            return 0, False
-        j = 0
-        while j < len(drafts) and base + j < len(seen) and int(drafts[j]) == seen[base + j]:
-            if j == n:  # the draft the proposer's check refused, after the same tokens
-                return j, True
-            j += 1
-        return j, False
-
     def fitting(self, generated, drafts, counter: str = "budget_ns", start: int = 0) -> int:
-        """How many of ``drafts`` (after the output ``generated``) the budget's rows allow, in order (all of them
-        where drafts are sampled: see ``validate_tokens``); ``start``: how many leading drafts are known to fit
-        (``_known``).  The proposers' checks (``counter`` "budget_draft_ns") are kept for ``validate_tokens``
-        (``_checked``)."""
-        if not self.deterministic_drafts or not len(drafts) or not self.words:
-            return len(drafts)
-        if start >= len(drafts):
-            return len(drafts)
-        from specgrammar_plugins.api import mask_allows, set_bit
-
+        """How many of ``drafts`` (after the output ``generated``) the budget's rows allow (``RowCut.fitting``);
+        the proposers' checks (``counter`` "budget_draft_ns") are kept for ``validate_tokens``."""
         t0 = time.thread_time_ns()
-        proposer = counter == "budget_draft_ns"
-        if self._zero is None:
-            self._zero = np.zeros(self.words, dtype=np.int32)
-        row = self._zero  # the draft alone: only it is checked (a draft the target's whole row cuts after all is
-        w = 0  # rejected by that row: exact); one zeroed row, its one bit set and cleared per draft
-        n = len(drafts)
         try:
-            prefix = generated.tolist() if isinstance(generated, np.ndarray) else [int(t) for t in generated]
-            base = len(prefix)
-            prefix.extend(int(t) for t in drafts[:start])
-            for i in range(start, len(drafts)):
-                t = int(drafts[i])
-                w = t >> 5
-                set_bit(row, t)
-                self.budget.mask_row(row, prefix, self.margin, whole=False, far=FAR)
-                if not mask_allows(row, t):
-                    prefix.append(t)
-                    n = i
-                    break
-                row[w] = 0
-                prefix.append(t)
-        except Exception:  # (fill_bitmask says so and turns the cut off for this request)
-            n, proposer = len(drafts), False
-            self._checked = None
-            row.fill(0)
+            return self.cut.fitting(generated, drafts, counter == "budget_draft_ns", start)
         finally:
-            row[w] = 0
-            if proposer:
-                self._checked = (prefix, base, n)
             _count(counter, time.thread_time_ns() - t0)
-        return n
 
     def rollback(self, num_tokens: int) -> None:
         self.inner.rollback(num_tokens)
@@ -224,7 +172,7 @@ class BudgetedGrammar:
                 _VIEWS.clear()
                 view = _VIEWS[id(bitmask)] = (bitmask, bitmask.numpy())
             row = view[1][idx]  # a view of vLLM's CPU bitmask: cut in place
-            cut = self.budget.mask_row(row, self.tokens, self.margin, far=FAR)
+            cut = self.cut.restrict(row, self.tokens)
             if not self.lost and getattr(self.budget, "lost", False):
                 self.lost = True
                 _count("budget_lost")
@@ -245,7 +193,7 @@ class BudgetedGrammar:
             _count("budget_errors")
             log.warning("specgrammar: budget mask failed for request %s (%s: %s); served without it", self.req_id,
                         type(e).__name__, e)
-            self.budget = _Off()
+            self.cut.budget = _Off()
         finally:
             _count("budget_rows")
             _count("budget_ns", time.thread_time_ns() - t0)

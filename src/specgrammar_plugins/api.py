@@ -35,13 +35,14 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
   speculative decoding: one ``SpeculativeLoop`` per request on a ``RowRunner``, one batched target pass per round,
   each row verified by its own loop, per-row rollback), ``draft_rows`` with ``DraftRow`` / ``DraftPending`` (the rows'
   draft models served by one batched draft pass per position);
-- the serving layer, for server adapters (``serving``): ``RequestPlan`` / ``plan_options`` / ``draft_k`` (what a
-  request asks for), ``RowPlan`` (a batched speculative row), ``ServedRow`` (a request's row in a host's own batch:
-  its loop's start, feed, verdict, and the answers with the host's stop rules), ``RowCut`` (a certified budget as a mask row),
-  ``PromptCounter`` / ``served_names`` (the gate's host facts), ``tokenizer_info`` / ``compile_for`` / ``stop_ids``
-  / ``engine_tokenizer`` (as an engine reads it: xgrammar's view) / ``with_stops`` / ``model_vocab_size``
-  / ``sampling_params`` / ``encode_prompt`` (a Hugging Face tokenizer's requests), ``wait_for``,
-  ``widen_listen_backlog``, ``logged``;
+- the serving layer, for server adapters (``serving``): ``plan_request`` / ``RequestPlan`` / ``plan_options`` /
+  ``draft_k`` (what a request asks for: read by the gate, compiled, its budget checked), ``RowPlan`` (a batched
+  speculative row), ``ServedRow`` (a request's row in a host's own batch: its loop's start, feed, verdict, and the
+  answers with the host's stop rules), ``RowCut`` (a budget as mask rows, and the drafts they allow, each checked
+  once), ``PromptCounter`` / ``tokenizer_facts`` / ``served_names`` (the gate's host facts), ``tokenizer_info`` /
+  ``compile_for`` / ``stop_ids`` / ``engine_tokenizer`` (as an engine reads it: xgrammar's view) / ``with_stops`` /
+  ``model_vocab_size`` / ``sampling_params`` / ``encode_prompt`` (a Hugging Face tokenizer's requests),
+  ``wait_for``, ``widen_listen_backlog``, ``logged``;
 - what a host implements: ``ModelRunner`` (a model with a trimmable KV cache; ``HiddenStatesRunner``: one that also
   hands over its hidden states), ``TokenizerInfo``.
 """
@@ -75,7 +76,7 @@ from .prefix import common_prefix_len, sync_runner
 from .recipes import RecipePackError, resolve as resolve_pack, resolve_name as resolve_pack_name
 from .requests import DEFAULT_DRAFTERS, SpecOptions, options_in, parse_request
 from .serving import (PromptCounter, RequestPlan, RowCut, RowPlan, ServedRow, compile_for, engine_tokenizer,
-                      model_vocab_size, with_stops, draft_k, encode_prompt, logged,
+                      model_vocab_size, plan_request, tokenizer_facts, with_stops, draft_k, encode_prompt, logged,
                       plan_options, sampling_params, served_names, stop_ids, tokenizer_info, wait_for,
                       widen_listen_backlog)
 from .speculation import budget_of, check_budget, make_drafter, make_loop, with_defaults
@@ -97,7 +98,7 @@ __all__ = [
     "sync_runner", "unpack_mask", "verify_block",
     "with_defaults",
     "PromptCounter", "RequestPlan", "RowCut", "RowPlan", "ServedRow", "compile_for", "engine_tokenizer",
-    "model_vocab_size", "with_stops", "draft_k", "encode_prompt", "logged",
+    "model_vocab_size", "plan_request", "tokenizer_facts", "with_stops", "draft_k", "encode_prompt", "logged",
     "plan_options", "sampling_params", "served_names", "stop_ids", "tokenizer_info", "wait_for", "widen_listen_backlog",
     "FilePatch", "Hunk", "PatchError", "apply_diff", "diff_state", "parse_diff",
 ]

@@ -35,11 +35,13 @@ from .batch import RowRunner
 from .compiler import compile_constraint
 from .constraint import CompiledConstraint, ConstraintSpec
 from .distributions import SamplingParams
+from .masks import mask_allows, set_bit
 from .errors import RequestError
+from .gate import check_request
 from .plugins import drafters as registered_drafters
 from .recipes import resolve_name as resolve_pack_name
 from .requests import SpecOptions
-from .speculation import make_loop
+from .speculation import check_budget, make_loop
 from .tokenizer import TokenizerInfo
 
 
@@ -66,6 +68,10 @@ class RequestPlan:
                 or (self.spec is None and o.k != 0)
                 or (self.spec is not None and getattr(self.spec, "trigger", None) is not None))
 
+    def row(self, compiled, server_k: int | None, host_k: int, params, max_tokens: int) -> "RowPlan":
+        """The request as a batched speculative row: its options with its ``k`` resolved (``draft_k``)."""
+        return RowPlan(compiled, replace(self.options, k=draft_k(self.options, server_k, host_k)), params, max_tokens)
+
 
 def plan_options(options: SpecOptions, recipes_dir: str | None) -> SpecOptions:
     """The request's options with its drafter names checked (``RequestError``: 400) and its recipe, a name, looked
@@ -78,6 +84,29 @@ def plan_options(options: SpecOptions, recipes_dir: str | None) -> SpecOptions:
     if options.recipe:
         options = replace(options, recipe=str(resolve_pack_name(options.recipe, recipes_dir)))
     return options
+
+
+def plan_request(body: dict, host, recipes_dir: str | None,
+                 compile: Callable[[object, SpecOptions], CompiledConstraint | None] | None = None) -> RequestPlan | None:
+    """A server's reading of one request, every error a 400 (or the gate's 404) before the host does any work: the
+    gate (``check_request`` with the server's ``host``; the server's default max_tokens, cut to what the context
+    leaves, written into ``body`` where the request gave none), then, for a request with a constraint or a
+    ``specgrammar`` object (None: the host's own request), its options planned (``plan_options``) and its
+    constraint compiled now (``compile(spec, options)``; None while the model is not loaded yet) with its budget
+    checked (``BudgetError`` naming the shortest length; ``certified``: a bound the host applies as a mask row)."""
+    checked = check_request(body, host)
+    if not checked.max_tokens_given and checked.max_tokens is not None:
+        body["max_tokens"] = checked.max_tokens
+    spec, explicit = checked.spec, body.get("specgrammar") is not None
+    if spec is None and not explicit:
+        return None
+    options = plan_options(checked.options, recipes_dir)
+    certified = False
+    compiled = compile(spec, options) if spec is not None and compile is not None else None
+    if compiled is not None:  # (validated now; the compile cache keeps it for the host)
+        fit = check_budget(compiled, options, checked.max_tokens)  # the request's max_tokens or the default
+        certified = fit is not None and fit.settles
+    return RequestPlan(spec, options, explicit, certified)
 
 
 def draft_k(options: SpecOptions, server_k: int | None, host_k: int) -> int:
@@ -97,17 +126,86 @@ class RowPlan:
 
 
 class RowCut:
-    """A certified budget applied as a mask row (``Budget.mask_row``), for a host's own loops, whose sampler cannot
-    draw again: far from the budget the row is left as it is; in the tight zone only tokens with a certified
-    completion within the tokens left stay.  The row is a function of the history, so the batched and the
-    sequential loop see the same row (what vLLM's structured-output bitmask gets, ``specgrammar_vllm.budget_mask``);
-    our loop instead re-draws a token that does not fit (``Budget.draw``)."""
+    """A budget applied as a mask row (``Budget.mask_row``), for a host whose sampler cannot draw again (mlx-lm's
+    batching path, vLLM's structured-output bitmask): far from the budget the row is left as it is; in the tight
+    zone only tokens with a certified completion within the tokens left stay.  The row is a function of the
+    history, so the batched and the sequential loop, and every verification position of a speculative step, see
+    the same row; our loop instead re-draws a token that does not fit (``Budget.draw``).
 
-    def __init__(self, budget):
+    ``margin`` / ``far``: ``CertifiedBudget.mask_row``'s (None: its defaults).  For a host that verifies drafts
+    against those rows (vLLM), ``fitting`` says how many of a step's drafts they allow, where drafts are a function
+    of the prefix (``deterministic_drafts``: greedy requests, argmax drafts, host drafts; sampled drafts are left
+    whole, cutting one by its value would bias the host's rejection sampler), checking each draft alone in a row
+    ``width`` tokens wide; a check it is asked to keep (``remember``: the proposer's) answers ``known`` for the
+    same drafts after the same prefix (the host's own check of them), so each draft is checked once."""
+
+    def __init__(self, budget, margin: int | None = None, far: str | None = None, width: int = 0,
+                 deterministic_drafts: bool = False):
         self.budget = budget
+        self._kw = {k: v for k, v in (("margin", margin), ("far", far)) if v is not None}
+        self.words = (int(width) + 31) // 32
+        self.deterministic_drafts = deterministic_drafts
+        # the last kept check: (the prefix it checked the drafts after, then those drafts up to the first one
+        # refused; how long that prefix was; how many fit)
+        self.checked: tuple[list[int], int, int] | None = None
+        self._zero: np.ndarray | None = None  # (fitting's one-draft row)
 
     def restrict(self, row, generated) -> bool:
-        return self.budget.mask_row(row, generated)
+        return self.budget.mask_row(row, generated, **self._kw)
+
+    def known(self, tokens, drafts) -> tuple[int, bool]:
+        """What the kept check (``checked``) already says of ``drafts`` after ``tokens``: (j, refused), the first j
+        drafts fit and, where ``refused``, the next one does not.  (0, False) where it checked after another prefix
+        or other drafts.  A row is a function of the prefix alone, so the same draft after the same prefix has the
+        same verdict."""
+        c = self.checked
+        if c is None or not len(drafts):
+            return 0, False
+        seen, base, n = c
+        if len(tokens) != base or seen[:base] != tokens:
+            return 0, False
+        j = 0
+        while j < len(drafts) and base + j < len(seen) and int(drafts[j]) == seen[base + j]:
+            if j == n:  # the draft the kept check refused, after the same tokens
+                return j, True
+            j += 1
+        return j, False
+
+    def fitting(self, generated, drafts, remember: bool = False, start: int = 0) -> int:
+        """How many of ``drafts`` (after the output ``generated``) the budget's rows allow, in order (all of them
+        where drafts are sampled); ``start``: how many leading drafts are known to fit (``known``).  ``remember``:
+        the check is kept (``checked``).  Each draft is checked alone (one zeroed row, its bit set and cleared): a
+        draft the host's whole row cuts after all is rejected by that row, exactly.  A fault in the budget answers
+        every draft (the host's row check still applies)."""
+        if not self.deterministic_drafts or not len(drafts) or not self.words or start >= len(drafts):
+            return len(drafts)
+        if self._zero is None:
+            self._zero = np.zeros(self.words, dtype=np.int32)
+        row, w, n = self._zero, 0, len(drafts)
+        kw = dict(self._kw, whole=False)
+        try:
+            prefix = generated.tolist() if isinstance(generated, np.ndarray) else [int(t) for t in generated]
+            base = len(prefix)
+            prefix.extend(int(t) for t in drafts[:start])
+            for i in range(start, len(drafts)):
+                t = int(drafts[i])
+                w = t >> 5
+                set_bit(row, t)
+                self.budget.mask_row(row, prefix, **kw)
+                prefix.append(t)
+                if not mask_allows(row, t):
+                    n = i
+                    break
+                row[w] = 0
+        except Exception:
+            n, remember = len(drafts), False
+            self.checked = None
+            row.fill(0)
+        finally:
+            row[w] = 0
+            if remember:
+                self.checked = (prefix, base, n)
+        return n
 
 
 class ServedRow:
@@ -261,6 +359,19 @@ class PromptCounter:
             kwargs.update(body["chat_template_kwargs"])
         return self.tok.apply_chat_template(messages, add_generation_prompt=True, tools=body.get("tools") or None,
                                             tokenize=True, **kwargs)
+
+
+def tokenizer_facts(tokenizer, width: int, context_length: int | None = None,
+                    template_args: dict | None = None) -> dict:
+    """What a server's gate knows of its model from its Hugging Face tokenizer (or a host's wrapper of one), as
+    ``Host`` keywords: the context length, the output width, the longest token in bytes (added tokens' text
+    included), and the prompt counter of its chat template (``PromptCounter``)."""
+    info = tokenizer_info(tokenizer, width)
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    specials = [len(str(t).encode("utf-8")) for t in getattr(hf, "added_tokens_decoder", {}).values()]
+    return dict(context_length=int(context_length) if context_length else None, vocab_size=width,
+                max_token_bytes=max([1, *map(len, info.token_bytes), *specials]),
+                count_tokens=PromptCounter(tokenizer, template_args))
 
 
 def served_names(model: str | None) -> list[str]:
