@@ -53,15 +53,14 @@ Needs mlx-lm patched with ``specgrammar patch mlx-lm`` (the hooks it implements 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
 import pluggy
 
-from specgrammar_plugins.api import (COMPILE_POOL, LIMITS, ConstraintError, Host, RequestPlan, RowCut, SpecOptions,
-                                     check_budget, compile_for, draft_k, logged, plan_request, prepare_deadline,
-                                     sampling_params, served_names, tokenizer_facts, wait_for, widen_listen_backlog)
+from specgrammar_plugins.api import (ConstraintError, Host, RequestPlan, RowCut, SpecOptions, check_budget, compile_for,
+                                     draft_k, logged, plan_request, prepare_deadline, sampling_params, served_names,
+                                     server_compiles, tokenizer_facts, wait_for, widen_listen_backlog)
 
 hookimpl = pluggy.HookimplMarker("mlx_lm.server")
 log = logging.getLogger("specgrammar.mlx_lm")
@@ -105,11 +104,7 @@ def configure(cli_args, model_provider):
     _config["context_length"] = getattr(cli_args, "specgrammar_context_length", None)
     _config["batch"] = getattr(cli_args, "specgrammar_batch", None) or "auto"
     _config["batch_drafts"] = getattr(cli_args, "specgrammar_batch_drafts", None) or "on"
-    # a server abandons a compile past the time limit for real: the compiling process is killed (see
-    # compile_worker); SPECGRAMMAR_COMPILE_ISOLATION=thread keeps compiles in-process
-    LIMITS.compile_isolation = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "process").strip()
-    if LIMITS.compile_isolation == "process":
-        COMPILE_POOL.prestart()
+    server_compiles(prestart=True)  # compiles past the time limit killed (SPECGRAMMAR_COMPILE_ISOLATION=thread: not)
     widen_listen_backlog()  # mlx-lm 0.32.2's server is a ThreadingHTTPServer, built after configure
 
 

@@ -279,31 +279,27 @@ def bound_compile_cache() -> None:
 
 
 def _drop_costly(manager, before: int | None) -> None:
-    """After a compile that grew the EngineCore's heap past the trim slack (``api.TRIM_SLACK_BYTES``: 64 MB; a
-    20,000-option choice grew it ~260 MB), both compile caches of the engine are emptied: vLLM's xgrammar cache,
-    because xgrammar 0.2.8's ``GrammarCompiler`` holds more than it counts against ``cache_limit_bytes`` (emptying
-    it gave back 161 MB while it reported 50 MB, issue 33), so its bound cannot keep costly grammars from staying;
-    and ours (``COMPILE_CACHE.evict``: the grammars a live request holds stay found for it).  The request keeps its
-    own compiled grammar; what it held is freed when it ends, and the next grammar compile's
-    ``give_back_memory(again=True)`` collects and trims it.  The cheap grammars of other requests compile again
-    once (ms); a repeat of the costly one compiles again (the launcher's gate bounds its preparation)."""
-    from specgrammar_plugins.api import COMPILE_CACHE, TRIM_SLACK_BYTES, rss_bytes
+    """After a compile that grew the EngineCore's heap past the trim slack (``api.drop_costly``: 64 MB; a
+    20,000-option choice grew it ~260 MB), both compile caches of the engine are emptied: ours (by ``drop_costly``)
+    and vLLM's xgrammar cache, because xgrammar 0.2.8's ``GrammarCompiler`` holds more than it counts against
+    ``cache_limit_bytes`` (emptying it gave back 161 MB while it reported 50 MB, issue 33), so its bound cannot keep
+    costly grammars from staying.  The request keeps its own compiled grammar; what it held is freed when it ends,
+    and the next grammar compile's ``give_back_memory(again=True)`` collects and trims it.  The cheap grammars of
+    other requests compile again once (ms); a repeat of the costly one compiles again (the launcher's gate bounds
+    its preparation)."""
+    from specgrammar_plugins.api import drop_costly
 
-    after = rss_bytes()
-    if before is None or after is None or after - before <= TRIM_SLACK_BYTES:
+    grew = drop_costly(before)
+    clear = getattr(getattr(getattr(manager, "backend", None), "compiler", None), "clear_cache", None)
+    if grew is None or clear is None:
         return
-    COMPILE_CACHE.evict()
-    compiler = getattr(getattr(manager, "backend", None), "compiler", None)
-    clear = getattr(compiler, "clear_cache", None)
-    if clear is not None:
-        try:
-            clear()
-        except Exception as e:  # (never the request's failure)
-            log.warning("specgrammar: could not empty vLLM's xgrammar cache (%s: %s)", type(e).__name__, e)
-            return
-        _count_locked("costly_cache_drops")
-        log.info("specgrammar: a grammar compile grew the engine's heap by %d MB: the compile caches emptied",
-                 (after - before) >> 20)
+    try:
+        clear()
+    except Exception as e:  # (never the request's failure)
+        log.warning("specgrammar: could not empty vLLM's xgrammar cache (%s: %s)", type(e).__name__, e)
+        return
+    _count_locked("costly_cache_drops")
+    log.info("specgrammar: a grammar compile grew the engine's heap by %d MB: the compile caches emptied", grew >> 20)
 
 
 def wrap_create_grammar(cls) -> None:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 from importlib import metadata
 
 from .config import speculative_config_arg, uses_draft_model
@@ -101,41 +100,23 @@ def gate_body(raw: bytes) -> bytes | None:
         return _gate_body(raw, deadline)
 
 
-def _warm(deadline) -> None:
-    """Wait for the gate's warm-up, outside the request's deadline (the process's one-time set-up is not a
-    request's preparation); only constrained requests wait (nothing else compiles)."""
-    if not WARM.is_set():
-        with deadline.excluded():
-            WARM.wait(WARM_S)
-
-
-WARM = threading.Event()
-WARM.set()  # (cleared while a launcher's gate warms up)
-WARM_S = 300.0
+WARM = None  # the gate's warm-up (``api.Warmup``), made by the first SpecgrammarGate
 
 
 def warm_up() -> None:
     """The gate's one-time set-up in this process, before its first request: the served tokenizer's tables, the
     compile worker (its import of xgrammar and torch), the engine's per-tokenizer set-up and the budget's first
-    walk (on the 2-core machine under load, 7 s: more than the first request's whole deadline).  Requests wait
-    for it (``WARM``), outside their deadline."""
+    walk (on the 2-core machine under load, 7 s: more than the first request's whole deadline).  Constrained
+    requests wait for it (``WARM``), outside their deadline; only they compile."""
     from specgrammar_plugins.api import COMPILE_POOL, LIMITS, ConstraintSpec, SpecOptions
 
     from .budget_mask import gate_check, gate_compile
 
-    try:
-        for spec in (ConstraintSpec.regex("[0-9]{2}"), ConstraintSpec.json_schema({"type": "integer"})):
-            gate_compile(spec)
-            gate_check(spec, SpecOptions(), 16)
-        if LIMITS.compile_isolation == "process":  # a spare worker: when a compile past the deadline gets one
-            COMPILE_POOL.prestart()  # killed, the next request compiles on the spare while its replacement starts
-    except Exception as e:  # never fatal: the first requests pay for it instead
-        import logging
-
-        logging.getLogger("vllm.specgrammar").warning("specgrammar: gate warm-up failed (%s: %s)",
-                                                      type(e).__name__, e)
-    finally:
-        WARM.set()
+    for spec in (ConstraintSpec.regex("[0-9]{2}"), ConstraintSpec.json_schema({"type": "integer"})):
+        gate_compile(spec)
+        gate_check(spec, SpecOptions(), 16)
+    if LIMITS.compile_isolation == "process":  # a spare worker: when a compile past the deadline gets one
+        COMPILE_POOL.prestart()  # killed, the next request compiles on the spare while its replacement starts
 
 
 def _gate_body(raw: bytes, deadline) -> bytes | None:
@@ -158,7 +139,8 @@ def _gate_body(raw: bytes, deadline) -> bytes | None:
         plan_options(checked.options, os.environ.get(RECIPES_ENV) or None)  # recipe: a pack name the proposer
         # will find (RecipePackError: 400 naming the packs)
         if checked.spec is not None:
-            _warm(deadline)
+            if WARM is not None:  # (the launcher's gate warms up: constrained requests wait, outside the deadline)
+                WARM.wait(deadline)
             try:
                 so, vspec = enforced_form(body, checked.spec)  # strict compile of what vLLM enforces (400 naming why)
             except (TypeError, AttributeError, KeyError) as e:  # a shape vLLM's reader would fail on: ours is a 400
@@ -236,14 +218,17 @@ class SpecgrammarGate:
     others are replayed to vLLM, rewritten where the gate rewrote them).  Starts the gate's warm-up."""
 
     def __init__(self, app):
-        from specgrammar_plugins.api import BodyGate
+        import logging
+
+        from specgrammar_plugins.api import BodyGate, Warmup
 
         from .budget_mask import TOKENIZER_ENV
 
+        global WARM
         self.gate = BodyGate(app, gate_body, GATED_PATHS, "vllm.specgrammar")
         if os.environ.get(TOKENIZER_ENV):  # the served tokenizer is known: warm the gate up
-            WARM.clear()
-            threading.Thread(target=warm_up, name="specgrammar-gate-warm-up", daemon=True).start()
+            WARM = WARM or Warmup()
+            WARM.start(warm_up, logging.getLogger("vllm.specgrammar"), "specgrammar-gate-warm-up")
 
     async def __call__(self, scope, receive, send):
         return await self.gate(scope, receive, send)
@@ -354,7 +339,7 @@ def configure_gate(args: list[str], model: str | None) -> None:
     ``compile_isolation="process"`` (a worker process killed at the deadline, under ``RLIMIT_AS``) unless
     ``SPECGRAMMAR_COMPILE_ISOLATION`` says otherwise.  The worker starts on the first compile, not here: vLLM may
     fork its EngineCore after this, and a forked child must not share the parent's worker pipes."""
-    from specgrammar_plugins.api import LIMITS
+    from specgrammar_plugins.api import server_compiles
 
     from .budget_mask import STRUCTURED_ENV
 
@@ -368,7 +353,7 @@ def configure_gate(args: list[str], model: str | None) -> None:
         cfg = None
     if isinstance(cfg, dict):
         os.environ.setdefault(STRUCTURED_ENV, json.dumps(cfg))
-    LIMITS.compile_isolation = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "process").strip()
+    server_compiles()  # (the worker starts on the first compile: vLLM may fork its EngineCore after this)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,9 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
   once), ``PromptCounter`` / ``tokenizer_facts`` / ``served_names`` (the gate's host facts), ``tokenizer_info`` /
   ``compile_for`` / ``stop_ids`` / ``engine_tokenizer`` (as an engine reads it: xgrammar's view) / ``with_stops`` /
   ``model_vocab_size`` / ``sampling_params`` / ``encode_prompt`` (a Hugging Face tokenizer's requests),
-  ``wait_for``, ``widen_listen_backlog``, ``logged``;
+  ``wait_for``, ``widen_listen_backlog``, ``logged``; ``server_compiles`` (a server's compiles in a killable
+  worker), ``Warmup`` (a server's one-time set-up, waited for outside a request's deadline), ``drop_costly`` (our
+  compile cache emptied after work that grew the heap past the trim slack);
 - what a host implements: ``ModelRunner`` (a model with a trimmable KV cache; ``HiddenStatesRunner``: one that also
   hands over its hidden states), ``TokenizerInfo``.
 """
@@ -76,7 +78,8 @@ from .prefix import common_prefix_len, sync_runner
 from .recipes import RecipePackError, resolve as resolve_pack, resolve_name as resolve_pack_name
 from .requests import DEFAULT_DRAFTERS, SpecOptions, options_in, parse_request
 from .serving import (PromptCounter, RequestPlan, RowCut, RowPlan, ServedRow, compile_for, engine_tokenizer,
-                      model_vocab_size, plan_request, tokenizer_facts, with_stops, draft_k, encode_prompt, logged,
+                      model_vocab_size, plan_request, tokenizer_facts, with_stops, Warmup, drop_costly,
+                      server_compiles, draft_k, encode_prompt, logged,
                       plan_options, sampling_params, served_names, stop_ids, tokenizer_info, wait_for,
                       widen_listen_backlog)
 from .speculation import budget_of, check_budget, make_drafter, make_loop, with_defaults
@@ -98,7 +101,8 @@ __all__ = [
     "sync_runner", "unpack_mask", "verify_block",
     "with_defaults",
     "PromptCounter", "RequestPlan", "RowCut", "RowPlan", "ServedRow", "compile_for", "engine_tokenizer",
-    "model_vocab_size", "plan_request", "tokenizer_facts", "with_stops", "draft_k", "encode_prompt", "logged",
+    "model_vocab_size", "plan_request", "tokenizer_facts", "with_stops", "Warmup", "drop_costly",
+    "server_compiles", "draft_k", "encode_prompt", "logged",
     "plan_options", "sampling_params", "served_names", "stop_ids", "tokenizer_info", "wait_for", "widen_listen_backlog",
     "FilePatch", "Hunk", "PatchError", "apply_diff", "diff_state", "parse_diff",
 ]

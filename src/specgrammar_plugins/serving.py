@@ -1,18 +1,27 @@
 """What a server adapter does with a request that needs no host: planning, counting, row plans, statistics.
 
-Moved out of ``adapters/specgrammar_mlx_lm`` (issue 34, "the two adapters shrink"), offered to every adapter
-through ``api``:
+Moved out of ``adapters/specgrammar_mlx_lm`` and ``adapters/specgrammar_vllm`` (issue 34, "the two adapters
+shrink"), offered to every adapter through ``api``:
 
-- ``RequestPlan``: what the plugin read from one request (constraint, options, whether our loop must serve it);
-  ``plan_options``: a request's drafter names checked against the registered drafters and its recipe name resolved
-  (``RequestError`` / ``RecipePackError``: 400); ``draft_k``: the request's ``k``, else the server's, else the host's;
+- ``plan_request``: a server's reading of one request (the gate, the default max_tokens, the options planned, the
+  constraint compiled now and its budget checked) -> ``RequestPlan``: what the plugin read (constraint, options,
+  whether our loop must serve it; ``row``: as a batched row's ``RowPlan``); ``plan_options``: a request's drafter
+  names checked against the registered drafters and its recipe name resolved (``RequestError`` /
+  ``RecipePackError``: 400); ``draft_k``: the request's ``k``, else the server's, else the host's;
 - ``RowPlan``: what a batched row needs to become a speculative row (compiled constraint, options, law, budget);
-- ``RowCut``: a certified budget applied as a mask row, for a host's own sampler that cannot draw again;
+  ``ServedRow``: a request's row in a host's own batch (its loop's start, its feed, its verdict, the answers with
+  the host's max_tokens and stop sequences, its failure);
+- ``RowCut``: a budget applied as mask rows, for a host's own sampler that cannot draw again (mlx-lm's batching
+  path, vLLM's bitmask), and the drafts those rows allow, each draft checked once;
 - ``PromptCounter``: a request's prompt tokens counted as a Hugging Face tokenizer's chat template counts them;
-  ``served_names``: the names a request may give its ``model``;
+  ``tokenizer_facts``: the gate's ``Host`` facts from a tokenizer; ``served_names``: the names a request may give
+  its ``model``;
 - ``tokenizer_info`` / ``compile_for``: a Hugging Face tokenizer (or a host's wrapper of one) as the core's
-  ``TokenizerInfo``, a constraint compiled for it at the model's output width; ``stop_ids``, ``sampling_params``,
-  ``encode_prompt``: a request's stop tokens, law and prompt ids;
+  ``TokenizerInfo``, a constraint compiled for it at the model's output width; ``engine_tokenizer``: as an engine
+  reads it (xgrammar's own view); ``with_stops``, ``stop_ids``, ``sampling_params``, ``encode_prompt``: a
+  request's stop tokens, law and prompt ids; ``model_vocab_size``: a model folder's output width;
+- ``server_compiles``: a server's compiles in a killable worker; ``Warmup``: a server's one-time set-up, waited for
+  outside a request's deadline; ``drop_costly``: our compile cache emptied after work that grew the heap;
 - ``wait_for``: a value a host loads on another thread; ``widen_listen_backlog``: ``http.server``'s listen backlog;
   ``logged``: a generator of responses whose final ``stats`` is logged.
 """
@@ -32,12 +41,14 @@ from typing import Callable
 import numpy as np
 
 from .batch import RowRunner
-from .compiler import compile_constraint
+from .compile_worker import POOL as COMPILE_POOL
+from .compiler import CACHE as COMPILE_CACHE, LIMITS, compile_constraint
 from .constraint import CompiledConstraint, ConstraintSpec
 from .distributions import SamplingParams
 from .masks import mask_allows, set_bit
 from .errors import RequestError
 from .gate import check_request
+from .heap import SLACK as TRIM_SLACK, rss_bytes
 from .plugins import drafters as registered_drafters
 from .recipes import resolve_name as resolve_pack_name
 from .requests import SpecOptions
@@ -506,6 +517,62 @@ def wait_for(get: Callable[[], object], loading: Callable[[], bool], started: th
     if value is not None:
         started.set()
     return value
+
+
+def server_compiles(prestart: bool = False) -> None:
+    """A server abandons a compile past its time limit for real: compiles run in a worker process killed at the
+    deadline or past its memory limit (``compile_isolation="process"``, ``compile_worker``) unless
+    ``SPECGRAMMAR_COMPILE_ISOLATION`` says otherwise (``thread`` keeps them in-process).  ``prestart``: the worker
+    starts now (not where the host forks after this: a forked child must not share the parent's worker pipes)."""
+    LIMITS.compile_isolation = os.environ.get("SPECGRAMMAR_COMPILE_ISOLATION", "process").strip()
+    if prestart and LIMITS.compile_isolation == "process":
+        COMPILE_POOL.prestart()
+
+
+class Warmup:
+    """A server's one-time set-up, run on its own thread before its first requests (the served tokenizer's tables,
+    the compile worker, an engine's first compile: seconds on a loaded machine, more than a request's whole
+    deadline).  A request that needs it waits for it (``wait``) outside its preparation deadline: the process's
+    set-up is not a request's preparation.  A set-up that fails is logged, never fatal (the first requests pay)."""
+
+    def __init__(self, timeout: float = 300.0):
+        self.timeout = timeout
+        self.done = threading.Event()
+        self.done.set()  # (cleared while a set-up runs)
+
+    def start(self, work: Callable[[], object], log: logging.Logger, name: str = "specgrammar-warm-up") -> None:
+        self.done.clear()
+
+        def run():
+            try:
+                work()
+            except Exception as e:
+                log.warning("specgrammar: gate warm-up failed (%s: %s)", type(e).__name__, e)
+            finally:
+                self.done.set()
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    def wait(self, deadline=None) -> None:
+        """Wait for the set-up (at most ``timeout``), outside ``deadline`` (the request's, ``prepare_deadline``)."""
+        if not self.done.is_set():
+            if deadline is None:
+                self.done.wait(self.timeout)
+                return
+            with deadline.excluded():
+                self.done.wait(self.timeout)
+
+
+def drop_costly(before: int | None) -> int | None:
+    """After costly work that began with the process at ``before`` bytes (``rss_bytes``): where it grew the heap
+    past the trim slack (``heap.SLACK``, 64 MB), our compile cache is emptied (``COMPILE_CACHE.evict``: the grammars
+    a live request holds stay found for it) and the growth returned, for the host to empty its own engine's cache
+    too; else None.  A repeat of the costly work compiles again (bounded by the gate)."""
+    after = rss_bytes()
+    if before is None or after is None or after - before <= TRIM_SLACK:
+        return None
+    COMPILE_CACHE.evict()
+    return after - before
 
 
 LISTEN_BACKLOG = 128
