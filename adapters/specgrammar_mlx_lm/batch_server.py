@@ -159,6 +159,11 @@ class _SpecMixin:
         plain = [i for i, r in enumerate(self._rows) if r.plan is None]
         if plain:
             self._plain(plain, cur, logits, out)
+        # every row's log-probabilities in one op over the pass (lazy; the committed tokens' rows are evaluated
+        # together below: mlx-lm's server reads ``logprobs[token].item()`` per response, which was one graph of
+        # its own per token)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        answered = len(out)
         for i, (r, block) in enumerate(zip(self._rows, blocks)):
             if block is None:
                 continue
@@ -168,12 +173,11 @@ class _SpecMixin:
                 self._fault(i, r, e, out)
                 continue
             self.tokens[i].extend(feeds[i][: kept[i]])
-            rows = logits[i]
             for j, t in enumerate(c.tokens):
                 last = j == len(c.tokens) - 1
-                if self._answer(i, r, t, rows[j] - mx.logsumexp(rows[j], keepdims=True),
-                                c.finish_reason if last else None, out):
+                if self._answer(i, r, t, lp[i, j], c.finish_reason if last else None, out):
                     break
+        mx.eval([o[2] for o in out[answered:] if o[2] is not None])
         rollback_rows(self.prompt_cache, width, kept)
         self._next_tokens = mx.array([r.next_token(t) for r, t in zip(self._rows, self._next_tokens.tolist())],
                                      dtype=mx.uint32)
