@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 """Build the draft model for SmolLM2-135M-Instruct (``smollm2-135m-draft``), deterministically, on CPU.
 
-    .venv/bin/python scripts/build_smollm2_draft.py               # data (cached) + training + metrics
+    .venv/bin/python scripts/build_smollm2_draft.py --kd          # data (cached) + teacher + distillation + metrics
+                                                                  # (the committed weights)
+    .venv/bin/python scripts/build_smollm2_draft.py               # the earlier hard-label draft (8335f8567fe3)
+    .venv/bin/python scripts/build_smollm2_draft.py --compare A.safetensors B.safetensors   # held-out acceptance
     .venv/bin/python scripts/build_smollm2_draft.py --data-only   # only (re)generate the training data
     .venv/bin/python scripts/build_smollm2_draft.py --eval-only   # re-measure the committed weights
     .venv/bin/python scripts/build_smollm2_draft.py --measure 10  # SpecLlama with / without it, forward times
@@ -10,8 +13,10 @@
     .venv/bin/python scripts/build_smollm2_draft.py --start-gguf start.gguf   # here: the starting tensors, ~39 MB
     python3 scripts/build_smollm2_draft.py --device cuda --target-gguf start.gguf --data data.jsonl   # there
 
-The committed weights were trained the first way, here (one thread, 21 min for the 300 steps while the machine's
-load average was ~10; the data took 33 min of llama-cpp-python under a load of 10-33).  The accelerator way gave
+The committed weights were trained the first way, here (one thread: the teacher's top-64 2.4 min, the 300 steps
+13.6 min while the machine's load average was 2-5; the data took 33 min of llama-cpp-python under a load of 10-33).
+The hard-label draft before them (weights 8335f8567fe3, 21 min for the 300 steps at a load of ~10) is what the
+command without ``--kd`` builds.  The accelerator way gave
 the same held-out figures (an H100, 5 s; the weights differ in the last bits of 12% of the fp16 values).
 
 The draft is the target cut down to a few of its own decoder layers (``LAYERS``, default the first four of 30),
@@ -38,8 +43,18 @@ target's GGUF at first use.
    only at answer positions), ``HP["steps"]`` batches of 8 answers of similar length, cosine schedule; 10% of
    the prompts held out (both their answers); fp32, seeded, ``--threads`` torch threads (default 1: on a busy
    2-core machine 2 threads stall, see notes/hosts.md).
-3. metrics.json beside the weights: parameters (trained / total), training time, data size, and the draft's
-   greedy agreement with the target teacher-forced along the held-out answers (before and after training).
+   ``--kd`` (logit distillation, as in DistillSpec): the float32 target (``models.real.smollm2_hf_folder``)
+   computes its top-64 next-token logprobs at every training answer position once (cached in the build folder,
+   ``teacher-top64-<data sha>.npz``, 11 MB), and the loss is ``alpha`` x that cross-entropy + (1 - ``alpha``) x
+   KL(p_target || q_draft) over the top 64 renormalized (``KD``: alpha 0.5, tau 1).  Hard labels alone make q
+   overconfident where the target is not (sampled answers, T > 0); the KL matches the draft's whole law, what
+   the acceptance rule min(1, p/q) rewards.  ``--kd-masked`` (the target's law restricted to the grammar first)
+   and alpha 0.1 were tried and measured worse (masked-T=0.7 acceptance 0.662 and label agreement 0.545).
+3. metrics.json beside the weights: parameters (trained / total), training time, data size, the draft's
+   greedy agreement with the target's tokens teacher-forced along the held-out answers (before and after
+   training), and ``held_out_acceptance``: against the float32 target, the argmax agreement (T=0) and the
+   expected acceptance E[sum_x min(p_T, q_T)] at T = 0.7 and 1, unmasked and with both laws restricted to the
+   grammar's allowed tokens (``masked_*``, the law the chain verifies).
 """
 
 from __future__ import annotations
@@ -79,6 +94,9 @@ N_SUITE = 80  # JSON-Schema-Test-Suite prompts at most
 SAMPLED = 0.2  # share of prompts answered a second time at T = 0.7
 HELD_OUT = 0.10
 HP = dict(steps=300, batch=8, lr=1e-3, warmup=10, weight_decay=0.0, max_len=384)
+# --kd: logit distillation (KL(p_target || q_draft) on the target's top-K next-token distribution,
+# renormalized, at temperature tau; mixed with alpha x the hard-label cross-entropy)
+KD = dict(top_k=64, tau=1.0, alpha=0.5)
 
 
 def build_dir() -> Path:
@@ -426,7 +444,7 @@ def agreement(model, rows: list[dict], desc: str, batch: int = 8) -> dict:
     return out
 
 
-def train(model, rows: list[dict], seed: int, hp: dict) -> dict:
+def train(model, rows: list[dict], seed: int, hp: dict, teacher: dict | None = None, kd: dict | None = None) -> dict:
     import torch
     from tqdm import tqdm
 
@@ -459,6 +477,8 @@ def train(model, rows: list[dict], seed: int, hp: dict) -> dict:
             ids, mask, bi, pos, lab = _batch(chunk, hp["max_len"])
             logits = answer_logits(model, ids, mask, bi, pos)
             loss = torch.nn.functional.cross_entropy(logits, lab.to(logits.device))
+            if teacher is not None:
+                loss = kd["alpha"] * loss + (1 - kd["alpha"]) * kd_loss(logits, chunk, bi, teacher, kd["tau"])
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             opt.zero_grad(set_to_none=True)
@@ -475,6 +495,162 @@ def train(model, rows: list[dict], seed: int, hp: dict) -> dict:
             "tokens": sum(len(rows[j]["prompt_ids"]) + len(rows[j]["answer_ids"]) for x in batches[:total] for j in x),
             "first_loss": round(sum(losses[:10]) / len(losses[:10]), 4),
             "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4)}
+
+
+def kd_loss(logits, chunk: list[dict], bi, teacher: dict, tau: float):
+    """KL(p || q) per answer position, averaged: p the target's top-K next-token distribution renormalized (at
+    temperature ``tau``), q the draft's full-vocabulary one at ``tau`` (its mass outside the top K counts as
+    missed).  ``teacher[job]`` = (logprobs (n, K), ids (n, K)) for the row's n answer positions."""
+    import torch
+
+    counts = torch.bincount(bi, minlength=len(chunk)).tolist()  # answer positions kept per row (max_len)
+    lp = torch.cat([torch.from_numpy(teacher[r["job"]][0][:c]) for r, c in zip(chunk, counts)]).to(logits.device)
+    ids = torch.cat([torch.from_numpy(teacher[r["job"]][1][:c]).long() for r, c in zip(chunk, counts)]).to(
+        logits.device)
+    logp = torch.log_softmax(lp.float() / tau, -1)
+    logq = torch.log_softmax(logits / tau, -1).gather(1, ids)
+    return (logp.exp() * (logp - logq)).sum(-1).mean()
+
+
+def target_model(device: str = "cpu"):
+    """The target itself, float32 (the converted transformers folder of the shipped GGUF)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(real.smollm2_hf_folder()), dtype="float32").to(device)
+    model.eval()
+    return model
+
+
+def teacher_topk(rows: list[dict], path: Path, k: int, device: str = "cpu", batch: int = 8,
+                 masks: dict | None = None) -> dict:
+    """The target's top-``k`` next-token logprobs (full-vocabulary log-softmax, float32) and ids at every answer
+    position of ``rows``, computed once and cached in ``path`` (npz; keyed by the caller: data hash and k).
+    With ``masks`` (``grammar_masks``): the target's law restricted to the grammar's allowed tokens (the law the
+    chain verifies against), for the rows that have one."""
+    import torch
+    from tqdm import tqdm
+
+    if path.is_file():
+        z = np.load(path)
+        jobs, off = z["jobs"].tolist(), z["offsets"]
+        out = {j: (z["lp"][off[i]:off[i + 1]], z["ids"][off[i]:off[i + 1]]) for i, j in enumerate(jobs)}
+        if all(r["job"] in out for r in rows):
+            return out
+    model = target_model(device)
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]) + len(rows[i]["answer_ids"]))
+    out = {}
+    t0 = time.time()
+    with torch.no_grad():
+        for i in tqdm(range(0, len(order), batch), desc=f"target top-{k} (teacher)", unit="batch"):
+            chunk = [rows[j] for j in order[i:i + batch]]
+            ids, mask, bi, pos, lab = _batch(chunk, 10**9)
+            logits = answer_logits(model, ids, mask, bi, pos)
+            if masks is not None:
+                allow = torch.from_numpy(np.concatenate([
+                    masks[r["job"]] if r["job"] in masks else np.ones((len(r["answer_ids"]), logits.shape[1]), bool)
+                    for r in chunk]))[:, :logits.shape[1]]
+                logits = logits.masked_fill(~allow.to(logits.device), -math.inf)
+            lp = torch.log_softmax(logits, -1)
+            top = lp.topk(k, -1)
+            top.values.clamp_(min=-1e4)  # fewer than k allowed tokens: the rest get ~0 probability
+            vals, idx = top.values.cpu().numpy().astype(np.float32), top.indices.cpu().numpy().astype(np.int32)
+            j = 0
+            for r in chunk:
+                n = len(r["answer_ids"])
+                out[r["job"]] = (vals[j:j + n], idx[j:j + n])
+                j += n
+    jobs = sorted(out)
+    offsets = np.cumsum([0] + [len(out[j][0]) for j in jobs])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, jobs=np.array(jobs), offsets=offsets, lp=np.concatenate([out[j][0] for j in jobs]),
+             ids=np.concatenate([out[j][1] for j in jobs]))
+    os.replace(tmp, path)
+    print(f"teacher: {len(jobs)} answers, {offsets[-1]} positions, top-{k}, {time.time() - t0:.0f} s -> {path}",
+          file=sys.stderr)
+    return out
+
+
+def grammar_masks(rows: list[dict], seed: int) -> dict:
+    """The grammar's allowed tokens (bool, (n, vocab)) at every answer position of ``rows``, walking each answer
+    through its prompt's compiled constraint (the default engine, the target GGUF's tokenizer); rows whose
+    constraint does not compile or whose answer it rejects are left out."""
+    from llama_cpp import Llama
+    from specgrammar_llama_cpp.runner import tokenizer_info
+    from tqdm import tqdm
+
+    from specgrammar_plugins.api import compile_constraint
+    from specgrammar_plugins.masks import new_mask, unpack_mask
+
+    llm = Llama(str(real.smollm2_gguf()), vocab_only=True, verbose=False)
+    tokinfo = tokenizer_info(llm)
+    by_prompt = {p["prompt"]: p for p in all_prompts(seed)}
+    out = {}
+    for r in tqdm(rows, desc="grammar masks", unit="answer"):
+        try:
+            m = compile_constraint(spec_of(by_prompt[r["prompt"]]), tokinfo).matcher()
+        except Exception:  # noqa: BLE001 - as in the data: a constraint our engine refuses
+            continue
+        row, allowed = new_mask(tokinfo.vocab_size), []
+        for t in r["answer_ids"]:
+            m.fill_mask(row)
+            allowed.append(unpack_mask(row, tokinfo.vocab_size).astype(bool))
+            if not m.accept(int(t)):
+                break
+        else:
+            out[r["job"]] = np.stack(allowed)
+    return out
+
+
+def acceptance(model, target, rows: list[dict], desc: str, batch: int = 8, temps=(0.7, 1.0),
+               masks: dict | None = None) -> dict:
+    """Teacher-forced along the held-out answers, unmasked, full vocabulary, against the float32 target: how
+    often the draft's argmax is the target's (greedy agreement, the acceptance at T = 0), and the expected
+    acceptance of a draft token sampled from q_T, E[sum_x min(p_T(x), q_T(x))] (p_T = softmax(target logits / T),
+    q_T likewise) at each T in ``temps``; with k4_tokens_per_pass, the mean over positions of (1 - a^5) / (1 - a)
+    (a k = 4 chain whose every position accepts with that position's a), per source temperature of the rows."""
+    import torch
+    from tqdm import tqdm
+
+    model.eval()
+    acc: dict[str, dict[str, list[float]]] = {}
+    with torch.no_grad():
+        for i in tqdm(range(0, len(rows), batch), desc=desc, unit="batch"):
+            chunk = rows[i:i + batch]
+            ids, mask, bi, pos, lab = _batch(chunk, 10**9)
+            q = answer_logits(model, ids, mask, bi, pos).float()
+            p = answer_logits(target, ids, mask, bi, pos).float()
+            cols = {"T=0": (q.argmax(-1) == p.argmax(-1)).float()}
+            cols["top1_target_mass"] = torch.softmax(p, -1).max(-1).values
+            for t in temps:
+                cols[f"T={t}"] = torch.minimum(torch.softmax(p / t, -1), torch.softmax(q / t, -1)).sum(-1)
+            if masks is not None:  # both laws restricted to the grammar's allowed tokens (what the chain does)
+                allow = torch.from_numpy(np.concatenate([
+                    masks[r["job"]][:len(r["answer_ids"])] if r["job"] in masks
+                    else np.ones((len(r["answer_ids"]), q.shape[1]), bool) for r in chunk]))[:, :q.shape[1]]
+                qm, pm = q.masked_fill(~allow, -math.inf), p.masked_fill(~allow, -math.inf)
+                cols["masked_T=0"] = (qm.argmax(-1) == pm.argmax(-1)).float()
+                for t in temps:
+                    cols[f"masked_T={t}"] = torch.minimum(torch.softmax(pm / t, -1), torch.softmax(qm / t, -1)).sum(-1)
+            j = 0
+            for r in chunk:
+                n = len(r["answer_ids"])
+                for key in ("all", f"rows_T={r['temperature']}"):
+                    d = acc.setdefault(key, {})
+                    for c, v in cols.items():
+                        d.setdefault(c, []).extend(v[j:j + n].tolist())
+                j += n
+    out = {}
+    for key, d in acc.items():
+        o = {"positions": len(d["T=0"])}
+        for c, v in d.items():
+            a = np.array(v)
+            o[c] = round(float(a.mean()), 4)
+            if c.startswith(("T=", "masked_T=")):
+                o[f"k4_tokens_per_pass_{c}"] = round(float(np.mean(np.where(
+                    a < 1 - 1e-9, (1 - a**5) / np.maximum(1 - a, 1e-12), 5.0))), 3)
+        out[key] = o
+    return out
 
 
 def save(model, layers, out: Path) -> Path:
@@ -626,6 +802,17 @@ def main(argv=None) -> int:
     ap.add_argument("--start-gguf", type=Path, metavar="OUT", help="write the starting tensors' GGUF and stop")
     ap.add_argument("--measure", type=int, default=0, metavar="N",
                     help="only measure the committed draft through SpecLlama on N json_extraction eval prompts")
+    ap.add_argument("--kd", action="store_true", help="logit distillation: train on KL(p_target || q_draft) over the "
+                    "target's top-K (cached in the build folder; computed once from the float32 target), mixed with "
+                    "--kd-alpha x the hard-label cross-entropy")
+    ap.add_argument("--kd-top-k", type=int, default=KD["top_k"])
+    ap.add_argument("--kd-tau", type=float, default=KD["tau"])
+    ap.add_argument("--kd-alpha", type=float, default=KD["alpha"])
+    ap.add_argument("--kd-masked", action="store_true", help="distil the target's law restricted to the grammar's "
+                    "allowed tokens at each answer position (the law the chain verifies against; the draft's own "
+                    "tokens are masked there too) instead of its unmasked one")
+    ap.add_argument("--compare", type=Path, nargs="+", metavar="SAFETENSORS",
+                    help="only print the held-out greedy agreement and T = 0.7 / 1 acceptance of these draft weights")
     args = ap.parse_args(argv)
     if args.measure:
         res = measure(args.measure, args.threads)
@@ -655,17 +842,56 @@ def main(argv=None) -> int:
         return 0
     train_rows, held = split(rows, SEED)
     print(f"data: {len(train_rows)} training answers, {len(held)} held out", file=sys.stderr)
+    data_sha = hashlib.sha256(data_path.read_bytes()).hexdigest()
+    if args.compare:
+        target = target_model(args.device)
+        masks = grammar_masks(held, SEED)
+        for f in args.compare:
+            model = make_draft(LAYERS, args.target_gguf).to(args.device)
+            load_committed(model, f)
+            print(json.dumps({"weights": str(f), "sha256_12": hashlib.sha256(f.read_bytes()).hexdigest()[:12],
+                              "masked_answers": len(masks),
+                              "label_agreement": agreement(model, held, "agreement")["all"],
+                              "held_out": acceptance(model, target, held, f"acceptance {f.parent.name}", masks=masks)}))
+        return 0
     model = make_draft(LAYERS, args.target_gguf).to(args.device)
+    try:
+        target = target_model(args.device)
+    except real.ModelNotInstalled:  # an accelerator machine without the target's package: agreement only
+        target = None
+    held_masks = grammar_masks(held, SEED) if target is not None else None
     before = agreement(model, held, "held-out agreement (init)")
+    before_acc = None if target is None else acceptance(model, target, held, "held-out acceptance (init)",
+                                                        masks=held_masks)
     hp = {**HP, "steps": args.steps, "lr": args.lr}
+    teacher = kd = None
+    if args.kd:
+        kd = {"top_k": args.kd_top_k, "tau": args.kd_tau, "alpha": args.kd_alpha, "masked": args.kd_masked,
+              "loss": "alpha * CE(target token) + (1 - alpha) * KL(p_target top-K renormalized at tau || q_draft "
+                      "at tau)",
+              "teacher": "float32 transformers folder converted from the target's GGUF (models.real.smollm2_hf_folder)"}
+        hp["kd"] = kd
+        t0 = time.time()
+        name = f"teacher-top{args.kd_top_k}{'-masked' if args.kd_masked else ''}-{data_sha[:12]}.npz"
+        masks = None
+        if args.kd_masked and not (build_dir() / name).is_file():
+            masks = grammar_masks(train_rows, SEED)
+            print(f"teacher: grammar masks for {len(masks)} of {len(train_rows)} answers", file=sys.stderr)
+        teacher = teacher_topk(train_rows, build_dir() / name, args.kd_top_k, args.device, masks=masks)
+        del masks
+        kd["teacher_seconds"] = round(time.time() - t0, 1)
+        kd["teacher_top_k_mass"] = round(float(np.mean([np.exp(teacher[r["job"]][0]).sum(-1).mean()
+                                                         for r in train_rows])), 4)
     if args.eval_only:
         load_committed(model, args.out / "layers.safetensors")
         fit = json.loads((args.out / "metrics.json").read_text()).get("training", {})
     else:
-        fit = train(model, train_rows, SEED, hp)
+        fit = train(model, train_rows, SEED, hp, teacher, kd)
         save(model, LAYERS, args.out)
         load_committed(model, args.out / "layers.safetensors")  # measure what is committed (fp16)
     after = agreement(model, held, "held-out agreement (trained)")
+    after_acc = None if target is None else acceptance(model, target, held, "held-out acceptance (trained)",
+                                                       masks=held_masks)
     n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_total = sum(p.numel() for n, p in model.named_parameters())
     size = (args.out / "layers.safetensors").stat().st_size
@@ -679,16 +905,23 @@ def main(argv=None) -> int:
                  "held_out_answer_tokens": sum(len(r["answer_ids"]) for r in held),
                  "by_source": {s: sum(1 for r in rows if r["source"] == s) for s in sorted({r["source"] for r in rows})},
                  "sampled_T0.7": sum(1 for r in rows if r["temperature"] > 0),
-                 "sha256": hashlib.sha256(data_path.read_bytes()).hexdigest(),
+                 "sha256": data_sha,
                  "generation_seconds": round(sum(r.get("seconds", 0.0) for r in rows), 1),
                  "sources": "workloads train split; seeded generated object schemas; JSON-Schema-Test-Suite "
                             "draft2020-12 (no MaskBench / jsonschemabench schema, no eval-split prompt)"},
         "hyperparameters": hp, "training": fit,
         "held_out": {"before_training": before, "after_training": after},
     }
+    if target is not None:  # against the float32 target: greedy agreement, expected acceptance at T = 0.7 and 1
+        metrics["held_out_acceptance"] = {
+            "about": "teacher-forced along the held-out answers against the float32 target: T=0 the argmax "
+                     "agreement, T=t the expected acceptance E[sum_x min(p_t(x), q_t(x))]; masked_*: both laws "
+                     "restricted to the grammar's allowed tokens (what the chain verifies); k4_tokens_per_pass_*: "
+                     "mean over positions of (1 - a^5) / (1 - a)",
+            "masked_answers": len(held_masks), "before_training": before_acc, "after_training": after_acc}
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     print(json.dumps({"before": before["all"], "after": after["all"], "mean_run_k4": after["mean_run_k4"],
-                      "training": fit}), file=sys.stderr)
+                      "acceptance": after_acc and after_acc["all"], "training": fit}), file=sys.stderr)
     return 0
 
 

@@ -66,6 +66,13 @@ def test_size_and_metrics():
     assert m["params"]["committed_bytes"] == real_draft.WEIGHTS.stat().st_size
     after, before = m["held_out"]["after_training"]["all"], m["held_out"]["before_training"]["all"]
     assert after["agreement"] > before["agreement"]  # training helped, on answers it never saw
+    acc = m.get("held_out_acceptance")  # against the float32 target, unmasked (builds since the --kd option)
+    if acc:
+        for key in ("T=0", "T=0.7", "T=1.0"):
+            assert 0 <= acc["before_training"]["all"][key] < acc["after_training"]["all"][key] <= 1, key
+    kd = m["hyperparameters"].get("kd")
+    if kd:  # a distilled draft says how: the teacher's top-K, its temperature, the hard-label share
+        assert kd["top_k"] > 0 and kd["tau"] > 0 and 0 <= kd["alpha"] <= 1
 
 
 def test_gguf_shares_the_target_tokenizer(llamas):
