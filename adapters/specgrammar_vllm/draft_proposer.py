@@ -274,7 +274,7 @@ class GrammarDrafting:
         toks = am.tolist()
         if not self.batch.lazy(plan, rows, toks, lambda items: self._masked_argmax(logits, items)):
             return am, toks
-        if am.device.type == "cpu" and am.dtype == torch.int64:  # (our own argmax: written in place, through numpy;
+        if am.is_cpu and am.dtype == torch.int64:  # (our own argmax: written in place, through numpy;
             am.numpy()[:] = toks  # a new tensor costs ~20 us right after the [B, V] argmax has swept the caches)
             return am, toks
         return torch.tensor(toks, dtype=am.dtype).to(logits.device, non_blocking=True), toks
@@ -286,7 +286,7 @@ class GrammarDrafting:
         ids alone (``_allowed_argmax``); every other row goes through the kernel, all in one call."""
         out: list = [None] * len(items)
         rest = list(range(len(items)))
-        if logits.device.type == "cpu" and self._vocab > CPU_KERNEL_MAX_VOCAB:
+        if logits.is_cpu and self._vocab > CPU_KERNEL_MAX_VOCAB:  # (is_cpu: no device object made)
             host = _numpy_view(logits)
             for n, (i, row) in enumerate(items):
                 out[n] = self._allowed_argmax(logits, i, row, host)
@@ -319,7 +319,7 @@ class GrammarDrafting:
             vals = host[0][i].take(ids)
             if host[1]:  # bfloat16 bits -> float32, exact
                 vals = (vals.astype(np.uint32) << 16).view(np.float32)
-            j = int(np.argmax(vals))  # (numpy's argmax, as torch's, takes the first NaN as the maximum)
+            j = int(vals.argmax())  # (numpy's argmax, as torch's, takes the first NaN as the maximum)
             return None if vals[j] == float("-inf") else int(ids[j])
         vals = logits[i].index_select(0, torch.from_numpy(ids))
         j = int(vals.argmax())  # (a NaN is the maximum here as after the kernel: the first allowed NaN either way)
@@ -438,14 +438,25 @@ def _probability_of(logits, rows: list[int], tokens: list[int], temperatures: li
 def _numpy_view(logits):
     """CPU logits as numpy sees them, without a copy: (array, is bfloat16), a bfloat16 tensor as its raw uint16 bits
     (numpy has no bfloat16); None where numpy cannot view it (another dtype)."""
+    # (two torch calls where the logits need no grad, as in vLLM's engine: right after a draft pass has swept the
+    # caches each torch call costs several us, and detach is a dispatched op)
     try:
-        if logits.dtype == torch.bfloat16:
-            return logits.detach().view(torch.int16).numpy().view(np.uint16), True
-        if logits.dtype in (torch.float32, torch.float16, torch.float64):
-            return logits.detach().numpy(), False
+        dtype = logits.dtype
+        if dtype == torch.bfloat16:
+            return _no_grad_numpy(logits.view(torch.int16)).view(np.uint16), True
+        if dtype in (torch.float32, torch.float16, torch.float64):
+            return _no_grad_numpy(logits), False
     except (RuntimeError, TypeError):
         pass
     return None
+
+
+def _no_grad_numpy(t):
+    """``t.numpy()``, detached first only where it needs grad (numpy refuses it then)."""
+    try:
+        return t.numpy()
+    except RuntimeError:
+        return t.detach().numpy()
 
 
 def _until_negative(row):
