@@ -1,6 +1,9 @@
 """Benchmark ``mlx_server``: concurrent JSON Schema requests over HTTP against ``mlx_lm.server --plugin specgrammar``.
 
-One run starts the patched mlx-lm server four times on the same target (OpenBLAS preloaded when installed) and
+One run starts the patched mlx-lm server four times on the same target (OpenBLAS preloaded when installed; the four
+at once, each warmed up, then the runs interleaved: run 1 of every configuration, then run 2, ..., so a shared
+machine's load falls on every configuration alike; ``ratios_paired``: each run against loop-serial's run of the
+same round) and
 sends the same ``--n`` JSON Schema requests (``json_extraction`` eval prompts, ``response_format`` json_schema,
 greedy, the budget on as by default) in seven ways:
 
@@ -191,50 +194,66 @@ def run(model: str, n: int, max_tokens: int, k: int, workdir: Path, reps: int = 
     target, draft, what = _models(model)
     root = patched_root(workdir / "mlx")[0]
     bodies = _bodies(n, max_tokens)
-    rows: dict[str, dict] = {}
-    for kind in ("loop", "draft", "spec", "plain"):
-        log = workdir / f"server-{kind}.log"
-        server = _Server(root, target, draft if kind in ("loop", "draft") else None, k, max_tokens, log,
-                         batch_drafts=kind != "plain", batch="never" if kind == "loop" else "auto")
-        try:
+    servers: dict[str, _Server] = {}
+    tries: dict[str, list] = {name: [] for name in CONFIGS}
+    before: dict[str, int] = {}
+    try:
+        for kind in ("loop", "draft", "spec", "plain"):
+            log = workdir / f"server-{kind}.log"
+            server = servers[kind] = _Server(root, target, draft if kind in ("loop", "draft") else None, k,
+                                             max_tokens, log, batch_drafts=kind != "plain",
+                                             batch="never" if kind == "loop" else "auto")
             # warm-up, not timed: the compile cache, the first forward, and the batching path's first batch (the
             # serial-loop server: the same requests one after another)
             server.ask(bodies[0])
             _send(server, bodies, kind != "loop")
-            before = len(server.loop_lines())
-            for concurrent in ((False,) if kind == "loop" else (False, True)):
-                name = _NAMES[kind, concurrent]
-                print(f"  {name} ...", flush=True)
-                tries = []
-                for _ in range(reps):
+            before[kind] = len(server.loop_lines())
+        # the runs interleaved: run r of every configuration, then run r + 1 (the servers idle while another is
+        # timed), so each configuration's runs see the shared machine's load of the same minutes
+        for rep in range(reps):
+            for kind, server in servers.items():
+                for concurrent in ((False,) if kind == "loop" else (False, True)):
+                    name = _NAMES[kind, concurrent]
+                    if rep == 0:
+                        print(f"  {name} ...", flush=True)
                     row = _send(server, bodies, concurrent, bursts)
-                    lines = server.loop_lines()[before:]
-                    before += len(lines)
-                    tries.append((row, lines))
-                walls = [t[0]["wall_s"] for t in tries]  # in order
-                tries.sort(key=lambda t: t[0]["wall_s"])
-                fastest = tries[0][0]
-                # the median run (--pick median, the default; of an even count the faster middle one), else the
-                # fastest (the least disturbed on a shared machine)
-                row, lines = tries[(len(tries) - 1) // 2] if pick == "median" else tries[0]
-                row["walls_s"] = walls
-                row["fastest_wall_s"] = fastest["wall_s"]
-                row["fastest_tokens_per_s"] = fastest["tokens_per_s"]
-                row["bursts_equal"] = all(t[0]["bursts_equal"] for t in tries)
-                # our loop's requests and the speculative rows (a log line each, every burst's); mlx-lm's own rows:
-                # one token per row per forward
-                row["tokens_per_pass"] = ([round(t / p, 3) if p else None for t, p, _ in lines]
-                                          + [1.0] * (bursts * len(bodies) - len(lines)))
-                row["served_by_loop"] = sum(not b for _, _, b in lines) // bursts
-                row["speculative_rows"] = sum(b for _, _, b in lines) // bursts
-                rows[name] = row
-        finally:
+                    lines = server.loop_lines()[before[kind]:]
+                    before[kind] += len(lines)
+                    tries[name].append((row, lines))
+    finally:
+        for server in servers.values():
             server.stop()
+    rows: dict[str, dict] = {}
+    for name in CONFIGS:
+        runs = tries[name]
+        walls = [t[0]["wall_s"] for t in runs]  # in order
+        ranked = sorted(runs, key=lambda t: t[0]["wall_s"])
+        fastest = ranked[0][0]
+        # the median run (--pick median, the default; of an even count the faster middle one), else the fastest (the
+        # least disturbed on a shared machine)
+        row, lines = ranked[(len(ranked) - 1) // 2] if pick == "median" else ranked[0]
+        row = dict(row)
+        row["walls_s"] = walls
+        row["fastest_wall_s"] = fastest["wall_s"]
+        row["fastest_tokens_per_s"] = fastest["tokens_per_s"]
+        row["bursts_equal"] = all(t[0]["bursts_equal"] for t in runs)
+        row["tokens_per_s_runs"] = [t[0]["tokens_per_s"] for t in runs]
+        # our loop's requests and the speculative rows (a log line each, every burst's); mlx-lm's own rows: one
+        # token per row per forward
+        row["tokens_per_pass"] = ([round(t / p, 3) if p else None for t, p, _ in lines]
+                                  + [1.0] * (bursts * len(bodies) - len(lines)))
+        row["served_by_loop"] = sum(not b for _, _, b in lines) // bursts
+        row["speculative_rows"] = sum(b for _, _, b in lines) // bursts
+        rows[name] = row
     base = rows["loop-serial"]
     plain = rows["batch-serial"]["texts"]
     for name, row in rows.items():
         row["ratio_vs_loop_serial"] = round(row["tokens_per_s"] / base["tokens_per_s"], 3)
         row["ratio_fastest_vs_loop_serial"] = round(row["fastest_tokens_per_s"] / base["fastest_tokens_per_s"], 3)
+        # per run against loop-serial's run of the same round (interleaved: the same minutes' load), and their median
+        paired = sorted(a / b for a, b in zip(row["tokens_per_s_runs"], base["tokens_per_s_runs"]))
+        row["ratios_paired"] = [round(x, 3) for x in paired]
+        row["ratio_paired_median"] = round(paired[(len(paired) - 1) // 2], 3)
         row["valid"] = sum(is_valid("json_extraction", t) for t in row["texts"])
         row["equal_to_batch_serial"] = sum(a == b for a, b in zip(row["texts"], plain))
         row["equal_to_loop_serial"] = sum(a == b for a, b in zip(row["texts"], base["texts"]))
@@ -331,14 +350,15 @@ def table(result: dict) -> str:
     rows = result["rows"]
     n = result["n"]
     body = [[name, f"{r['wall_s']:.2f}", r["tokens"], f"{r['tokens_per_s']:.1f}", f"{r['ratio_vs_loop_serial']:.2f}",
+             R.fmt(r.get("ratio_paired_median")),
              R.fmt(r["tokens_per_pass_mean"]), f"{r.get('served_by_loop', 0)}/{n}",
              f"{r.get('speculative_rows', 0)}/{n}", f"{r['valid']}/{n}",
              f"{r['equal_to_batch_serial']}/{n}", f"{r['equal_to_loop_serial']}/{n}",
              f"{r['load_before']:.2f} / {r['load_after']:.2f}"]
             for name, r in rows.items()]
-    return R.md_table(["configuration", "wall s", "tokens", "tokens/s", "vs loop-serial", "tokens/target pass",
+    return R.md_table(["configuration", "wall s", "tokens", "tokens/s", "vs loop-serial", "paired (median)", "tokens/target pass",
                        "by our loop", "speculative rows", "valid", "= batch-serial", "= loop-serial",
-                       "load avg before / after"], body, right=range(1, 12))
+                       "load avg before / after"], body, right=range(1, 13))
 
 
 def main(argv: list[str] | None = None) -> int:
