@@ -68,15 +68,15 @@ def test_the_vllm_gate_checks_the_options_it_read(monkeypatch):
 
 
 def test_the_budget_mask_reads_the_same_options_and_ignores_a_bad_value(caplog):
-    from specgrammar_vllm.budget_mask import _request_options
+    from specgrammar_vllm.budget_mask import request_options
 
     def sp(raw):
         return SimpleNamespace(extra_args={"specgrammar": raw})
 
-    assert _request_options(sp(json.dumps({"budget_mask": False}))) == {"budget_mask": False}
-    assert _request_options(SimpleNamespace()) is None
+    assert request_options(sp(json.dumps({"budget_mask": False}))) == {"budget_mask": False}
+    assert request_options(SimpleNamespace()) is None
     with caplog.at_level(logging.WARNING, logger="vllm.specgrammar"):
-        assert _request_options(sp("ドラフト")) is None  # the gate answered it with a 400; here: logged, ignored
+        assert request_options(sp("ドラフト")) is None  # the gate answered it with a 400; here: logged, ignored
     assert "extra_args.specgrammar must be an object" in caplog.text
 
 

@@ -207,7 +207,7 @@ class _Off:
 
 
 # ------------------------------------------------------------------------------------------- building
-def _request_options(sp) -> dict | None:
+def request_options(sp) -> dict | None:
     """The request's ``specgrammar`` options (``extra_args``, from the launcher's ``vllm_xargs``), read by the core's
     one reader (``api.options_in``).  The launcher's gate answers a malformed value with a 400 first; one that
     reaches the engine by another way (``vllm.LLM``, vLLM's own server) is logged and ignored, as the proposer
@@ -240,7 +240,7 @@ def build(manager, request):
     spec = spec_from_params(so)
     if spec is None or getattr(sp, "max_tokens", None) is None:
         return None
-    if (_request_options(sp) or {}).get("budget_mask") is False:
+    if (request_options(sp) or {}).get("budget_mask") is False:
         _count_locked("budget_skipped")
         return None
     engine, options = engine_options(manager.vllm_config)

@@ -40,11 +40,9 @@ leaves ``runner.requests`` (finished or aborted), checked at every step.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import weakref
-from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -52,8 +50,9 @@ import numpy as np
 from specgrammar_plugins.api import BATCH_COUNTERS as COUNTERS
 from specgrammar_plugins.api import (BudgetError, ConstraintError, HistoryMatcher, RequestState, RequestTable,
                                      SamplingParams, SpecOptions, check_budget, fill,
-                                     make_drafter, resolve_pack_name)
+                                     make_drafter, resolve_pack_name, with_stops)
 
+from .budget_mask import grammar_tokenizer, request_options
 from .draws import RequestDraws
 from .startup import check_recipe_pack
 from .structured import ENGINES, compile_as_enforced, engine_options, params_key, spec_from_params
@@ -145,15 +144,9 @@ class GrammarStates(RequestTable):
         # request's stop tokens
         # per request: SamplingParams.extra_args["specgrammar"] = {"recipe": ..., "drafters": [...]} (the OpenAI
         # server passes ``vllm_xargs`` there) over the engine-wide --additional-config options
-        req_opts = ((getattr(sp, "extra_args", None) or {}).get("specgrammar") or {})
-        if isinstance(req_opts, str):  # the launcher passes a request's options as vllm_xargs, a JSON string
-            try:
-                req_opts = json.loads(req_opts)
-            except ValueError:
-                pass
-        if not isinstance(req_opts, dict):  # (the launcher answers 400 first; offline callers get it ignored)
-            log.warning("specgrammar: per-request options must be an object, got %s; ignored", type(req_opts).__name__)
-            req_opts = {}
+        # (the core's one reader, as the budget mask reads them: the launcher answers a malformed value with a 400
+        # first; offline callers get it logged and ignored)
+        req_opts = request_options(sp) or {}
         options = {**self.options, **{k_: v for k_, v in req_opts.items() if k_ == "drafters"}}
         if any(k_ in req_opts for k_ in ("lambda", "adaptive", "budget")):
             # the target's law is vLLM's sampler's, which a proposer cannot tilt: say so rather than pretend
@@ -265,38 +258,16 @@ class GrammarStates(RequestTable):
             hf = AutoTokenizer.from_pretrained(mc.tokenizer, revision=getattr(mc, "tokenizer_revision", None),
                                                trust_remote_code=bool(getattr(mc, "trust_remote_code", False)))
             self._tokinfo = TokenizerInfo.from_hf(hf, vocab_size=self.vocab_size)
-            self._grammar_tok = self._as_vllm_sees_it(hf, self._tokinfo)
+            # the tokenizer as vLLM's grammar backend reads it (xgrammar's own view: see api.engine_tokenizer), so
+            # that draft and target are on one language
+            self._grammar_tok = grammar_tokenizer(hf, self.vocab_size, self.engine)
         if not stop_ids:
             return self._grammar_tok
         key = (stop_ids, eos)
         tok = self._tokinfos.get(key)
         if tok is None:  # vLLM's grammar stops on the request's stop tokens (override_stop_tokens): so does ours
-            first = eos if eos in stop_ids else stop_ids[0]
-            tok = self._tokinfos[key] = replace(self._grammar_tok, eos_token_id=first,
-                                                stop_token_ids=tuple(dict.fromkeys([first, *stop_ids])))
+            tok = self._tokinfos[key] = with_stops(self._grammar_tok, stop_ids, eos)
         return tok
-
-    def _as_vllm_sees_it(self, hf, tok):
-        """The tokenizer as vLLM's xgrammar backend reads it (``xgr.TokenizerInfo.from_huggingface``,
-        backend_xgrammar.py:70): token bytes and special tokens from xgrammar's own view.  They can differ from
-        ours: xgrammar 0.2.8 finds no special tokens in a transformers-5 tokenizer whose specials are
-        ``added_tokens``, so vLLM lets ``<|im_start|>`` through as the text "<|im_start|>" inside JSON strings,
-        where our reading (specials never allowed) would refuse it.  Matching vLLM keeps draft and target on one
-        language.  Only for the xgrammar engine; others keep our reading."""
-        if self.engine != "xgrammar":
-            return tok
-        try:
-            import xgrammar as xgr
-
-            xi = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size)
-            decoded = xi.decoded_vocab
-            specials = frozenset(int(i) for i in xi.special_token_ids)
-            n = min(len(decoded), self.vocab_size)
-            token_bytes = tuple(b"" if i in specials else bytes(decoded[i]) for i in range(n))
-            return replace(tok, token_bytes=token_bytes, special_ids=specials)
-        except Exception as e:  # keep ours: at worst vLLM truncates a draft
-            log.warning("specgrammar: could not read the tokenizer as xgrammar does (%s); using ours", e)
-            return tok
 
 
 class GrammarProposer(GrammarStates):
