@@ -96,7 +96,10 @@ def test_one_source_of_the_engine_options(monkeypatch):
     from specgrammar_plugins.api import LIMITS
 
     monkeypatch.setattr(LIMITS, "compile_isolation", LIMITS.compile_isolation)  # (configure_gate sets it)
-    monkeypatch.delenv(STRUCTURED_ENV, raising=False)
+    # configure_gate writes the variable with os.environ.setdefault, outside monkeypatch: setenv first so that its
+    # undo removes it again (a leaked backend here made every later vLLM server's gate compile with outlines_core)
+    monkeypatch.setenv(STRUCTURED_ENV, "null")
+    monkeypatch.delenv(STRUCTURED_ENV)
     monkeypatch.setenv("SPECGRAMMAR_VLLM_SERVED_MODELS", "[]")
     monkeypatch.setenv("SPECGRAMMAR_COMPILE_ISOLATION", "thread")
     assert gate_engine() == ("xgrammar", {"xgrammar_strict_mode": True})
