@@ -724,6 +724,18 @@ def draft_rows(rows: Sequence[tuple[Any, Any]], draft: Callable[[dict], dict] | 
     return out
 
 
+def judge_row(loop, block, feed: list[int], logits, t_fwd: int):
+    """One row of a batched pass verified by its own loop (``SpeculativeLoop._judge``: the serial loop's law and
+    budget check) and committed: (the ``Commit``, how many of ``feed``'s positions the host's cache keeps).
+    ``loop.target`` is the row's ``RowRunner``, told what the pass fed it."""
+    runner = loop.target
+    runner.fed(feed)
+    before = runner.dropped
+    c = loop._judge(block, logits, t_fwd)
+    loop._settled(c)
+    return c, len(feed) - (runner.dropped - before)
+
+
 class BatchLoop:
     """Batched speculative decoding: one ``SpeculativeLoop`` per request (its drafter chain, matcher, budget,
     sampling law and random stream, built by ``speculation.make_loop`` on a ``RowRunner``), and per round ONE
@@ -774,17 +786,13 @@ class BatchLoop:
                 out.append((req_id, block))
                 kept.append(0)
                 continue
-            runner = loop.target
-            runner.fed(feed)
-            before = runner.dropped
             try:
-                c = loop._judge(block, logits[i], t_fwd)
-                loop._settled(c)
+                c, n = judge_row(loop, block, feed, logits[i], t_fwd)
             except Exception as e:
                 out.append((req_id, e))
                 kept.append(0)
                 continue
-            kept.append(len(feed) - (runner.dropped - before))
+            kept.append(n)
             out.append((req_id, c))
             if c.finish_reason is None:
                 keep.append(i)

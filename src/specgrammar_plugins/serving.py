@@ -40,7 +40,7 @@ from typing import Callable
 
 import numpy as np
 
-from .batch import RowRunner
+from .batch import RowRunner, judge_row
 from .compile_worker import POOL as COMPILE_POOL
 from .compiler import CACHE as COMPILE_CACHE, LIMITS, compile_constraint
 from .constraint import CompiledConstraint, ConstraintSpec
@@ -288,13 +288,9 @@ class ServedRow:
     def judge(self, block, feed: list[int], logits, t_fwd: int):
         """The row's loop verifies its drafts on its own logits rows (``SpeculativeLoop._judge``, the serial loop's
         law and budget check) and commits: (the ``Commit``, how many of ``feed``'s positions the host's cache keeps)."""
-        runner = self.loop.target
-        runner.fed(feed)
-        before = runner.dropped
-        c = self.loop._judge(block, logits, t_fwd)
-        self.loop._settled(c)
+        c, kept = judge_row(self.loop, block, feed, logits, t_fwd)
         self.pending = c.tokens[-1] if c.tokens else self.pending
-        return c, len(feed) - (runner.dropped - before)
+        return c, kept
 
     def next_token(self, token: int) -> int:
         """The token the host feeds the row next: a speculative row's pending token, else the host's own."""
