@@ -204,8 +204,7 @@ class _SpecMixin:
     def _draft_row(self, r, prompt):
         """The row's ``DraftRow`` in the batched draft cache (its prompt prefilled), when the server has a draft
         model and the row's chain drafts with it; else None."""
-        o = r.plan.options
-        if self.draft_model is None or not o.k or "model" not in o.drafters or not _draft_rollable(self.draft_model):
+        if self.draft_model is None or not r.plan.options.model_drafts or not _draft_rollable(self.draft_model):
             return None
         if self._drafts is None:
             self._drafts = MLXDraftBatch(self.draft_model)

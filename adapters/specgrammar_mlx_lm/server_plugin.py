@@ -58,9 +58,9 @@ from pathlib import Path
 
 import pluggy
 
-from specgrammar_plugins.api import (ConstraintError, Host, RequestPlan, RowCut, SpecOptions, check_budget, compile_for,
-                                     draft_k, logged, plan_request, prepare_deadline, sampling_params, served_names,
-                                     server_compiles, tokenizer_facts, wait_for, widen_listen_backlog)
+from specgrammar_plugins.api import (Host, RequestPlan, SpecOptions, compile_for, draft_k, logged, plan_request,
+                                     prepare_deadline, row_mask, sampling_params, served_names, server_compiles,
+                                     tokenizer_facts, wait_for, widen_listen_backlog)
 
 hookimpl = pluggy.HookimplMarker("mlx_lm.server")
 log = logging.getLogger("specgrammar.mlx_lm")
@@ -231,19 +231,15 @@ def logits_processors(args, tokenizer, model):
     plan = _plan(args)
     if plan is None or plan.spec is None:
         return None
-    from .processor import GrammarLogitsProcessor, stop_only_processor
+    from .processor import GrammarLogitsProcessor
 
-    try:
-        compiled = _compile(plan.spec, plan.options, model, tokenizer)
-        fit = check_budget(compiled, plan.options, getattr(args, "max_tokens", None))
-    except (ConstraintError, ValueError) as e:  # never let a bad request kill the generation thread
-        log.error("specgrammar: constraint failed at generation time: %s", e)
-        return [stop_only_processor(tokenizer.eos_token_ids, str(e))]
-    row = _batch_row(plan, compiled, args)
-    if fit is not None and fit.settles:
-        fit = RowCut(fit)  # certified: a row (our loop, when it serves the request, re-draws instead)
-    proc = GrammarLogitsProcessor(compiled, fit=fit)
-    proc.batch_row = row  # on the batching path: a speculative row (batch_server), None: one token per pass
+    # the grammar with the request's budget in the row (exact, or certified: api.RowCut); a constraint that fails
+    # here gets the stop tokens only (never let a bad request kill the generation thread)
+    mask, compiled = row_mask(plan, lambda: _compile(plan.spec, plan.options, model, tokenizer),
+                              getattr(args, "max_tokens", None), tokenizer.eos_token_ids, log)
+    proc = GrammarLogitsProcessor(mask)
+    if compiled is not None:  # on the batching path: a speculative row (batch_server), None: one token per pass
+        proc.batch_row = _batch_row(plan, compiled, args)
     return [proc]
 
 

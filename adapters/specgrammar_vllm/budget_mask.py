@@ -51,6 +51,8 @@ import threading
 import time
 import weakref
 
+from specgrammar_plugins.api import GREEDY_T, LOST_MIDWAY, RowCut, switch_on
+
 log = logging.getLogger("vllm.specgrammar")
 
 MODULE = "vllm.v1.structured_output"
@@ -63,14 +65,14 @@ COUNTERS: dict = {"budget_requests": 0, "budget_exact": 0, "budget_certified": 0
                   "budget_skipped": 0, "budget_errors": 0, "budget_rows": 0, "budget_cut_rows": 0,
                   "budget_lost": 0, "budget_lost_midway": 0, "budget_drafts_cut": 0, "budget_uncertified": 0, "budget_ns": 0,
             "budget_draft_ns": 0, "costly_cache_drops": 0}  # budget_ns: the scheduler's rows and draft checks; budget_draft_ns: the proposers'
-LOST: dict = {}  # ids of the requests that lost their certificate mid-way (budget_lost_midway), the last 4096
+LOST = LOST_MIDWAY  # ids of the requests that lost their certificate mid-way (budget_lost_midway), the last 4096
 _LOCK = threading.Lock()
 # request id -> its BudgetedGrammar (the proposers in the same EngineCore process read it)
 _LIVE: "weakref.WeakValueDictionary[str, BudgetedGrammar]" = weakref.WeakValueDictionary()
 
 
 def enabled() -> bool:
-    return os.environ.get("SPECGRAMMAR_VLLM_BUDGET", "1").lower() not in ("0", "false", "no", "off")
+    return switch_on("SPECGRAMMAR_VLLM_BUDGET")
 
 
 def budget_of(req_id: str):
@@ -106,14 +108,11 @@ class BudgetedGrammar:
 
     def __init__(self, inner, budget, req_id: str, margin: int = MARGIN, width: int = 0,
                  deterministic_drafts: bool = False):
-        from specgrammar_plugins.api import RowCut
-
         self.inner, self.req_id, self.margin = inner, req_id, margin
         # the proposer's last check of this request's drafts (``fitting`` from ``fitting_drafts``) is kept there:
         # ``validate_tokens`` reads its verdicts instead of checking the same drafts after the same prefix again
-        self.cut = RowCut(budget, margin, FAR, width, deterministic_drafts)
+        self.cut = RowCut(budget, margin, FAR, width, deterministic_drafts, req_id)
         self.tokens: list[int] = []
-        self.lost = False
 
     @property
     def budget(self):
@@ -173,37 +172,19 @@ class BudgetedGrammar:
                 view = _VIEWS[id(bitmask)] = (bitmask, bitmask.numpy())
             row = view[1][idx]  # a view of vLLM's CPU bitmask: cut in place
             cut = self.cut.restrict(row, self.tokens)
-            if not self.lost and getattr(self.budget, "lost", False):
-                self.lost = True
-                _count("budget_lost")
-                log.warning("specgrammar: request %s left the certified budget (a token raised its shortest "
-                            "completion by %d or more at once); it may be cut off at max_tokens", self.req_id,
-                            self.margin)
-            if not self.lost and getattr(self.budget, "lost_midway", False):
-                self.lost = True  # a committed prefix no certificate within the budget follows (a token the far
-                _count("budget_lost_midway")  # zone does not check: string content a loose pattern sends far)
-                LOST[self.req_id] = None
-                while len(LOST) > 4096:
-                    LOST.pop(next(iter(LOST)))
-                log.warning("specgrammar: request %s lost its budget certificate after %d tokens; it may be cut "
-                            "off at max_tokens", self.req_id, len(self.tokens))
+            lost = self.cut.lost_now(len(self.tokens), log)  # (once: counted, logged, LOST)
+            if lost:
+                _count(lost)
             if cut:
                 _count("budget_cut_rows")
         except Exception as e:  # never break the step: this request goes on without the cut
             _count("budget_errors")
             log.warning("specgrammar: budget mask failed for request %s (%s: %s); served without it", self.req_id,
                         type(e).__name__, e)
-            self.cut.budget = _Off()
+            self.cut.off()
         finally:
             _count("budget_rows")
             _count("budget_ns", time.thread_time_ns() - t0)
-
-
-class _Off:
-    lost = False
-
-    def mask_row(self, row, generated, margin=0, whole=True, far="off") -> bool:
-        return False
 
 
 # ------------------------------------------------------------------------------------------- building
@@ -231,7 +212,7 @@ def grammar_tokenizer(hf, vocab_size: int, engine: str):
 def build(manager, request):
     """The request's core ``Budget`` (None: no constraint we map, no max_tokens, or the mask is off); raises
     ``BudgetError`` when the shortest completion does not fit."""
-    from specgrammar_plugins.api import SpecOptions, check_budget, with_stops
+    from specgrammar_plugins.api import SpecOptions, row_budget, with_stops
 
     from .structured import ENGINES, compile_as_enforced, engine_options, spec_from_params
 
@@ -252,11 +233,7 @@ def build(manager, request):
     # ignored here too; before, such a request had no budget and was cut off, 2 of the 7 schemas vLLM answered
     # in `bench real`)
     compiled, _ = compile_as_enforced(spec, tok, engine, options)
-    budget = check_budget(compiled, SpecOptions(), int(sp.max_tokens))
-    walk_vocab = getattr(budget, "_vocab", None)
-    if walk_vocab is not None and FAR != "off":
-        walk_vocab.lexed()  # (once per tokenizer, ~0.8 s at 151,665 tokens: here in the compile thread, not the step)
-    return budget
+    return row_budget(compiled, SpecOptions(), int(sp.max_tokens), FAR)  # (its tables made here, not in the step)
 
 
 def bound_compile_cache() -> None:
@@ -266,7 +243,7 @@ def bound_compile_cache() -> None:
     and ours for the budget and the drafts, and ours kept up to ``SPECGRAMMAR_COMPILE_CACHE_MB`` (512 MB
     engine-reported, ~1.5x that in RSS) of grammars vLLM's cache had long dropped (issue 33).  The API server's
     gate, which vLLM's backend never runs in, keeps its own bound."""
-    from specgrammar_plugins.api import COMPILE_CACHE
+    from specgrammar_plugins.api import cap_compile_cache
 
     try:
         import vllm.envs as envs
@@ -274,8 +251,7 @@ def bound_compile_cache() -> None:
         limit = int(envs.VLLM_XGRAMMAR_CACHE_MB) << 20
     except Exception:  # (an older vLLM without the setting: the cache keeps its bound)
         return
-    if 0 < limit < COMPILE_CACHE.max_bytes:
-        COMPILE_CACHE.max_bytes = limit
+    cap_compile_cache(limit)
 
 
 def _drop_costly(manager, before: int | None) -> None:
@@ -351,7 +327,7 @@ def wrap_create_grammar(cls) -> None:
         _count_locked("budget_exact" if budget.mode == "exact" else "budget_certified")
         spec_cfg = getattr(self.vllm_config, "speculative_config", None)
         sp = request.sampling_params
-        greedy = (getattr(sp, "temperature", 1.0) or 0.0) < 1e-5
+        greedy = (getattr(sp, "temperature", 1.0) or 0.0) < GREEDY_T
         g = BudgetedGrammar(grammar, budget, request.request_id,
                             width=self.vllm_config.model_config.get_vocab_size(),
                             deterministic_drafts=greedy or getattr(spec_cfg, "draft_sample_method",
@@ -376,7 +352,6 @@ def install(module) -> None:
 TOKENIZER_ENV = "SPECGRAMMAR_VLLM_TOKENIZER"
 # the launcher's --structured-outputs-config (a JSON object): the engine and options of vLLM's backend, for the gate
 STRUCTURED_ENV = "SPECGRAMMAR_VLLM_STRUCTURED_OUTPUTS"
-_GATE: dict = {}
 
 
 def gate_check(spec, options, max_tokens: int | None) -> None:
@@ -409,19 +384,14 @@ def gate_compile(spec):
     with the engine and options of vLLM's backend (``gate_engine``), under the request's deadline, in a compile
     worker the launcher runs (``compile_isolation="process"``: killed at the deadline or past its memory limit).
     None without a tokenizer (a model vLLM loads from a hub name: vLLM's backend alone then decides)."""
-    from specgrammar_plugins.api import compile_constraint, model_vocab_size
+    from specgrammar_plugins.api import compile_constraint, folder_tokenizer
 
     name = os.environ.get(TOKENIZER_ENV)
     if spec is None or not name:
         return None
     engine, options = gate_engine()
-    tok = _GATE.get((name, engine))  # one tokenizer table per process
-    if tok is None:
-        from transformers import AutoTokenizer
-
-        hf = AutoTokenizer.from_pretrained(name)
-        tok = _GATE[(name, engine)] = grammar_tokenizer(hf, model_vocab_size(name, hf), engine)
-    return compile_constraint(spec, tok, engine=engine, **options)
+    # (one tokenizer table per process, as vLLM's backend reads it)
+    return compile_constraint(spec, folder_tokenizer(name, engine, log), engine=engine, **options)
 
 
 def stats() -> dict:

@@ -12,7 +12,6 @@ vLLM's own grammar-blind draft-model proposer in place.
 from __future__ import annotations
 
 import logging
-import os
 
 log = logging.getLogger("vllm.specgrammar")
 
@@ -30,7 +29,9 @@ def register() -> None:
             STATE["reason"] = str(e)
             log.warning("specgrammar: %s; nothing patched", e)
             return
-        if os.environ.get("SPECGRAMMAR_VLLM_FIXES", "1").lower() in ("0", "false", "no", "off"):
+        from specgrammar_plugins.api import switch_on
+
+        if not switch_on("SPECGRAMMAR_VLLM_FIXES"):
             STATE["reason"] = "SPECGRAMMAR_VLLM_FIXES=0"
             log.info("specgrammar: vLLM fixes disabled by SPECGRAMMAR_VLLM_FIXES=0")
         else:

@@ -38,6 +38,8 @@ import os
 import sys
 from importlib import metadata
 
+from specgrammar_plugins.api import CONSTRAINT_FIELDS, json_option, option_value, option_values, take_options
+
 from .config import speculative_config_arg, uses_draft_model
 
 _orig_version = metadata.version
@@ -147,8 +149,7 @@ def _gate_body(raw: bytes, deadline) -> bytes | None:
                 raise Refused(400, f"the constraint cannot be read as vLLM reads it: {str(e)[:200]}",
                               "structured_outputs") from None
             if so is not None:
-                for name in ("response_format", "regex", "grammar", "grammar_syntax", "json_schema", "choice",
-                             "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+                for name in CONSTRAINT_FIELDS:
                     body.pop(name, None)
                 body["structured_outputs"] = so
                 changed = True
@@ -237,15 +238,6 @@ class SpecgrammarGate:
 OURS = ("--grammar-spec", "--grammar-draft")
 
 
-def _value_of(argv: list[str], name: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def _folder(model: str) -> str:
     """A model name (``smollm2-135m``, ``tiny``, ...: ``api.resolve_model``) as the folder vLLM loads; anything
     else unchanged (vLLM's own to interpret)."""
@@ -264,7 +256,7 @@ def resolve_model_names(argv: list[str]) -> list[str]:
     if at is None or at >= len(out) or _folder(out[at]) == out[at]:
         return out
     name, out[at] = out[at], _folder(out[at])
-    if _value_of(out, "--served-model-name") is None:
+    if option_value(out, "--served-model-name") is None:
         out += ["--served-model-name", name]
     return out
 
@@ -272,30 +264,16 @@ def resolve_model_names(argv: list[str]) -> list[str]:
 def build_argv(argv: list[str]) -> list[str]:
     """Our options -> vLLM's: ``--grammar-spec K [--grammar-draft PATH]`` becomes a ``--speculative-config``;
     ``--no-async-scheduling`` is added for a draft model unless async scheduling is set either way."""
-    out: list[str] = []
-    ours: dict[str, str] = {}
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        name = next((o for o in OURS if a == o or a.startswith(o + "=")), None)
-        if name is None:
-            out.append(a)
-            i += 1
-        elif a == name:
-            ours[name] = argv[i + 1]
-            i += 2
-        else:
-            ours[name] = a.split("=", 1)[1]
-            i += 1
+    out, ours = take_options(argv, OURS)
     out = resolve_model_names(out)
     if "--grammar-draft" in ours:
         ours["--grammar-draft"] = _folder(ours["--grammar-draft"])
     if "--grammar-draft" in ours and "--grammar-spec" not in ours:
         raise SystemExit("--grammar-draft PATH goes with --grammar-spec K")
-    if "--grammar-spec" in ours and _value_of(out, "--speculative-config") is None:
+    if "--grammar-spec" in ours and option_value(out, "--speculative-config") is None:
         out += ["--speculative-config", speculative_config_arg(int(ours["--grammar-spec"]),
                                                                ours.get("--grammar-draft"))]
-    if uses_draft_model(_value_of(out, "--speculative-config")) and not any(
+    if uses_draft_model(option_value(out, "--speculative-config")) and not any(
             x in ("--async-scheduling", "--no-async-scheduling") for x in out):
         out.append("--no-async-scheduling")
     return out
@@ -304,32 +282,7 @@ def build_argv(argv: list[str]) -> list[str]:
 def recipes_dir(argv: list[str]) -> str | None:
     """``specgrammar.recipes_dir`` of the ``--additional-config`` in ``argv`` (the folder of recipe packs requests
     may name), or None."""
-    for i, a in enumerate(argv):
-        raw = argv[i + 1] if a == "--additional-config" and i + 1 < len(argv) else (
-            a.split("=", 1)[1] if a.startswith("--additional-config=") else None)
-        if raw is not None:
-            try:
-                cfg = json.loads(raw)
-            except ValueError:
-                return None
-            opts = cfg.get("specgrammar") if isinstance(cfg, dict) else None
-            return opts.get("recipes_dir") if isinstance(opts, dict) else None
-    return None
-
-
-def _values_of(argv: list[str], name: str) -> list[str]:
-    """The values of an option that takes one or more (``--served-model-name a b``)."""
-    for i, a in enumerate(argv):
-        if a.startswith(name + "="):
-            return [a.split("=", 1)[1]]
-        if a == name:
-            out = []
-            for v in argv[i + 1:]:
-                if v.startswith("-"):
-                    break
-                out.append(v)
-            return out
-    return []
+    return json_option(argv, "--additional-config", "specgrammar", "recipes_dir")
 
 
 def configure_gate(args: list[str], model: str | None) -> None:
@@ -343,14 +296,10 @@ def configure_gate(args: list[str], model: str | None) -> None:
 
     from .budget_mask import STRUCTURED_ENV
 
-    names = _values_of(args, "--served-model-name") or ([model] if model else [])
+    names = option_values(args, "--served-model-name") or ([model] if model else [])
     if names and not any(a.startswith(("--enable-lora", "--lora-modules")) for a in args):
         os.environ.setdefault(SERVED_ENV, json.dumps(names))
-    raw = _value_of(args, "--structured-outputs-config")
-    try:
-        cfg = json.loads(raw) if raw else None
-    except ValueError:
-        cfg = None
+    cfg = json_option(args, "--structured-outputs-config")
     if isinstance(cfg, dict):
         os.environ.setdefault(STRUCTURED_ENV, json.dumps(cfg))
     server_compiles()  # (the worker starts on the first compile: vLLM may fork its EngineCore after this)
@@ -371,13 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     extra = [] if os.environ.get("SPECGRAMMAR_VLLM_MIDDLEWARE", "1") in ("0", "false", "no", "off") else \
         [a for m in MIDDLEWARE for a in ("--middleware", m)]
     args = build_argv(argv)
-    model = args[0] if args and not args[0].startswith("-") else _value_of(args, "--model")
+    model = args[0] if args and not args[0].startswith("-") else option_value(args, "--model")
     if model and os.path.isdir(model):  # the gate compiles for the served tokenizer
         from .budget_mask import TOKENIZER_ENV
 
         os.environ.setdefault(TOKENIZER_ENV, model)
     configure_gate(args, model)
-    if uses_draft_model(_value_of(args, "--speculative-config")):
+    if uses_draft_model(option_value(args, "--speculative-config")):
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     sys.argv = ["vllm", "serve", *args, *extra]
     return vllm_main() or 0

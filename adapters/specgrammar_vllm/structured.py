@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from specgrammar_plugins.api import ConstraintSpec
+from specgrammar_plugins.api import ConstraintSpec, compile_as_enforced as _compile_as_enforced, without_strict
 
 # vLLM backend name -> our engine name
 ENGINES = {"xgrammar": "xgrammar", "guidance": "llguidance", "outlines": "outlines_core"}
@@ -77,24 +77,14 @@ def backend_options(so_cfg) -> tuple[str, dict]:
 
 
 def compile_as_enforced(spec: ConstraintSpec, tok, engine: str, options: dict):
-    """(compiled, lenient): ``spec`` compiled by our engine as vLLM's backend enforces it.  Our strict mode refuses
-    a JSON Schema keyword the engine does not enforce (``pattern``, some ``format``s); vLLM 0.32's own xgrammar
-    backend accepts such a request and ignores that keyword, so the request is compiled again with ``strict`` off
-    (``lenient`` True), the engine ignoring what vLLM's ignores.  The drafts (``proposer``) and the budget mask
-    (``budget_mask.build``) then follow the language vLLM's bitmask really enforces.  Our launcher refuses these
-    schemas up front (``serve.py``); this is for every other way into the engine (``vllm.LLM``, vLLM's own server).
-    Other errors stand."""
-    from dataclasses import replace
-
-    from specgrammar_plugins.api import ConstraintError, compile_constraint
-
-    try:
-        return compile_constraint(spec, tok, engine=engine, **options), False
-    except ConstraintError as e:  # (the strict refusal's own words, schema.refusal)
-        if spec.kind != "json_schema" or spec.option("strict", True) is False or "strict=false" not in e.reason:
-            raise
-        lenient = (*((k, v) for k, v in spec.options if k != "strict"), ("strict", False))
-        return compile_constraint(replace(spec, options=lenient), tok, engine=engine, **options), True
+    """(compiled, lenient): ``spec`` compiled by our engine as vLLM's backend enforces it (``api.compile_as_enforced``
+    with vLLM's policy, ``api.without_strict``).  Our strict mode refuses a JSON Schema keyword the engine does not
+    enforce (``pattern``, some ``format``s); vLLM 0.32's own xgrammar backend accepts such a request and ignores
+    that keyword, so the request is compiled again with ``strict`` off (``lenient`` True), the engine ignoring what
+    vLLM's ignores.  The drafts (``proposer``) and the budget mask (``budget_mask.build``) then follow the language
+    vLLM's bitmask really enforces.  Our launcher refuses these schemas up front (``serve.py``); this is for every
+    other way into the engine (``vllm.LLM``, vLLM's own server).  Other errors stand."""
+    return _compile_as_enforced(spec, tok, engine, options, without_strict)
 
 
 def params_from_spec(spec: ConstraintSpec | None) -> dict | None:

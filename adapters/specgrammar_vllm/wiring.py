@@ -37,7 +37,6 @@ import importlib.abc
 import importlib.machinery
 import inspect
 import logging
-import os
 import sys
 
 log = logging.getLogger("vllm.specgrammar")
@@ -49,7 +48,9 @@ STATE: dict = {"draft_model": False, "eagle": False, "custom_runner": False, "bu
 
 
 def drafts_enabled() -> bool:
-    return os.environ.get("SPECGRAMMAR_VLLM_DRAFTS", "1").lower() not in ("0", "false", "no", "off")
+    from specgrammar_plugins.api import switch_on
+
+    return switch_on("SPECGRAMMAR_VLLM_DRAFTS")
 
 
 def wire(module) -> None:

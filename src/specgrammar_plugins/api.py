@@ -4,7 +4,8 @@ Everything a host adapter (``adapters/specgrammar_mlx_lm``, ``specgrammar_llama_
 third party's) needs is named here; what is not named here is the core's own business and may change.  The layers
 contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this module only.
 
-- request -> constraint and options: ``parse_request``, ``SpecOptions``, ``options_in`` (the options sent in a
+- request -> constraint and options: ``parse_request`` (``CONSTRAINT_FIELDS``: the top-level fields it reads a
+  constraint from), ``SpecOptions``, ``options_in`` (the options sent in a
   host's extension field of strings, vLLM's ``vllm_xargs`` / ``extra_args``: one reader, one 400); compiling: ``compile_constraint``
   (cached: ``COMPILE_CACHE``), ``LIMITS``, ``COMPILE_POOL``;
 - the one road to decoding: ``make_loop`` (hosts that let us own decoding), ``make_drafter`` + ``DraftBlock`` +
@@ -44,7 +45,14 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
   ``model_vocab_size`` / ``sampling_params`` / ``encode_prompt`` (a Hugging Face tokenizer's requests),
   ``wait_for``, ``widen_listen_backlog``, ``logged``; ``server_compiles`` (a server's compiles in a killable
   worker), ``Warmup`` (a server's one-time set-up, waited for outside a request's deadline), ``drop_costly`` (our
-  compile cache emptied after work that grew the heap past the trim slack);
+  compile cache emptied after work that grew the heap past the trim slack), ``cap_compile_cache`` (our compile
+  cache bounded as the host's engine bounds its own); ``row_budget`` (a budget for mask rows, its tables made off
+  the host's step); ``row_mask`` (a row's mask for a host's own sampler: the
+  grammar with its budget, exact or ``RowCut``, else stop tokens only), ``RowCut.lost_now`` / ``LOST_MIDWAY`` (a
+  row's budget found lost, once); ``compile_as_enforced`` with a host's policy (``without_strict``: the host's
+  engine ignores what our strict mode refuses), ``folder_tokenizer`` (a served model folder's tokenizer as an
+  engine reads it, once per process); a launcher's command line (``option_value``, ``option_values``,
+  ``json_option``, ``take_options``) and environment switches (``switch_on``);
 - what a host implements: ``ModelRunner`` (a model with a trimmable KV cache; ``HiddenStatesRunner``: one that also
   hands over its hidden states), ``TokenizerInfo``.
 """
@@ -76,12 +84,14 @@ from .resources import patch_path
 from .plugins import drafters as registered_drafters
 from .prefix import common_prefix_len, sync_runner
 from .recipes import RecipePackError, resolve as resolve_pack, resolve_name as resolve_pack_name
-from .requests import DEFAULT_DRAFTERS, SpecOptions, options_in, parse_request
+from .requests import CONSTRAINT_FIELDS, DEFAULT_DRAFTERS, SpecOptions, options_in, parse_request
 from .serving import (PromptCounter, RequestPlan, RowCut, RowPlan, ServedRow, compile_for, engine_tokenizer,
                       model_vocab_size, plan_request, tokenizer_facts, with_stops, Warmup, drop_costly,
                       server_compiles, draft_k, encode_prompt, logged,
                       plan_options, sampling_params, served_names, stop_ids, tokenizer_info, wait_for,
-                      widen_listen_backlog)
+                      widen_listen_backlog, LOST_MIDWAY, cap_compile_cache, compile_as_enforced, folder_tokenizer,
+                      json_option, option_value, option_values, row_budget, row_mask, switch_on, take_options,
+                      without_strict)
 from .speculation import budget_of, check_budget, make_drafter, make_loop, with_defaults
 from .tokenizer import TokenizerInfo
 from .unidiff import FilePatch, Hunk, PatchError, apply as apply_diff, parse_diff, state as diff_state
@@ -104,5 +114,7 @@ __all__ = [
     "model_vocab_size", "plan_request", "tokenizer_facts", "with_stops", "Warmup", "drop_costly",
     "server_compiles", "draft_k", "encode_prompt", "logged",
     "plan_options", "sampling_params", "served_names", "stop_ids", "tokenizer_info", "wait_for", "widen_listen_backlog",
+    "LOST_MIDWAY", "cap_compile_cache", "compile_as_enforced", "folder_tokenizer", "json_option", "option_value",
+    "option_values", "row_budget", "row_mask", "switch_on", "take_options", "without_strict", "CONSTRAINT_FIELDS",
     "FilePatch", "Hunk", "PatchError", "apply_diff", "diff_state", "parse_diff",
 ]

@@ -50,6 +50,11 @@ class SpecOptions:
     extra: dict = field(default_factory=dict)
     budget_mask: bool | None = None  # None: on for constrained requests (speculation.budget_of); False: off
 
+    @property
+    def model_drafts(self) -> bool:
+        """Whether the chain drafts with a draft model: ``k`` not 0 and ``model`` among the drafters."""
+        return bool(self.k) and "model" in self.drafters
+
 
 def _need(cond: bool, msg: str) -> None:
     if not cond:
@@ -199,6 +204,9 @@ def _structured_outputs(so: Any, prefix: str = "structured_outputs.") -> list[Co
 # ``structured_outputs`` equivalents; the two that chose a backend or whitespace are refused (nothing honours them).
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 GUIDED_REFUSED = ("guided_decoding_backend", "guided_whitespace_pattern")
+# the top-level fields ``parse_openai`` reads a constraint from, besides ``structured_outputs`` (a host that hands the
+# constraint on in its own spelling drops these)
+CONSTRAINT_FIELDS = ("response_format", "regex", "grammar", "grammar_syntax", "json_schema", "choice", *GUIDED)
 
 
 def _choice_spec(ch: Any, where: str) -> ConstraintSpec:

@@ -23,7 +23,16 @@ shrink"), offered to every adapter through ``api``:
 - ``server_compiles``: a server's compiles in a killable worker; ``Warmup``: a server's one-time set-up, waited for
   outside a request's deadline; ``drop_costly``: our compile cache emptied after work that grew the heap;
 - ``wait_for``: a value a host loads on another thread; ``widen_listen_backlog``: ``http.server``'s listen backlog;
-  ``logged``: a generator of responses whose final ``stats`` is logged.
+  ``logged``: a generator of responses whose final ``stats`` is logged;
+- ``row_budget``: a budget for a host's mask rows, the far zone's tables made off the host's step; ``row_mask``: a
+  request's row mask for a host's own sampler (the grammar with its budget, exact or ``RowCut``;
+  stop tokens only where the constraint fails at generation time); ``RowCut.lost_now`` / ``off``: a row's budget
+  found lost (once, logged, ``LOST_MIDWAY``) or dropped after a fault;
+- ``compile_as_enforced``: a constraint compiled strictly, else as the host's engine enforces it (the host's
+  policy: ``without_strict``); ``folder_tokenizer``: a served model folder's tokenizer as an engine reads it, once
+  per process; ``cap_compile_cache``: our compile cache bounded as the host bounds its own;
+- a launcher's command line and environment: ``option_value``, ``option_values``, ``json_option``,
+  ``take_options``, ``switch_on``.
 """
 
 from __future__ import annotations
@@ -46,9 +55,10 @@ from .compiler import CACHE as COMPILE_CACHE, LIMITS, compile_constraint
 from .constraint import CompiledConstraint, ConstraintSpec
 from .distributions import SamplingParams
 from .masks import mask_allows, set_bit
-from .errors import RequestError
+from .errors import ConstraintError, RequestError
 from .gate import check_request
 from .heap import SLACK as TRIM_SLACK, rss_bytes
+from .history import MaskProcessor, StopOnlyMask
 from .plugins import drafters as registered_drafters
 from .recipes import resolve_name as resolve_pack_name
 from .requests import SpecOptions
@@ -151,8 +161,10 @@ class RowCut:
     same drafts after the same prefix (the host's own check of them), so each draft is checked once."""
 
     def __init__(self, budget, margin: int | None = None, far: str | None = None, width: int = 0,
-                 deterministic_drafts: bool = False):
+                 deterministic_drafts: bool = False, name: str | None = None):
         self.budget = budget
+        self.name = name  # the request's id (its lost budget logged and kept in LOST_MIDWAY under it)
+        self.lost = False  # the budget was found lost (``lost_now``)
         self._kw = {k: v for k, v in (("margin", margin), ("far", far)) if v is not None}
         self.words = (int(width) + 31) // 32
         self.deterministic_drafts = deterministic_drafts
@@ -163,6 +175,35 @@ class RowCut:
 
     def restrict(self, row, generated) -> bool:
         return self.budget.mask_row(row, generated, **self._kw)
+
+    def lost_now(self, generated: int, log: logging.Logger | None = None) -> str | None:
+        """Once, the first time the budget is found lost after ``generated`` tokens: ``"budget_lost"`` (a token raised
+        its shortest completion past the certificate at once) or ``"budget_lost_midway"`` (a committed prefix no
+        certificate within the budget follows: a token the far zone does not check; the row's ``name`` kept in
+        ``LOST_MIDWAY``), logged to ``log`` as a warning; else None.  The row may then be cut off at max_tokens."""
+        if self.lost:
+            return None
+        if getattr(self.budget, "lost", False):
+            self.lost = True
+            if log is not None:
+                log.warning("specgrammar: request %s left the certified budget (a token raised its shortest "
+                            "completion by %s or more at once); it may be cut off at max_tokens", self.name,
+                            self._kw.get("margin", "the margin"))
+            return "budget_lost"
+        if getattr(self.budget, "lost_midway", False):
+            self.lost = True
+            LOST_MIDWAY[self.name] = None
+            while len(LOST_MIDWAY) > LOST_KEPT:
+                LOST_MIDWAY.pop(next(iter(LOST_MIDWAY)))
+            if log is not None:
+                log.warning("specgrammar: request %s lost its budget certificate after %d tokens; it may be cut "
+                            "off at max_tokens", self.name, generated)
+            return "budget_lost_midway"
+        return None
+
+    def off(self) -> None:
+        """The budget is dropped (a fault in it): the row is served without the cut from now on."""
+        self.budget = _Uncut()
 
     def known(self, tokens, drafts) -> tuple[int, bool]:
         """What the kept check (``checked``) already says of ``drafts`` after ``tokens``: (j, refused), the first j
@@ -217,6 +258,49 @@ class RowCut:
             if remember:
                 self.checked = (prefix, base, n)
         return n
+
+
+class _Uncut:
+    """A budget that cuts nothing (``RowCut.off``)."""
+
+    lost = False
+
+    def mask_row(self, row, generated, margin=0, whole=True, far="off") -> bool:
+        return False
+
+
+def row_budget(compiled: CompiledConstraint, options: SpecOptions, max_tokens: int | None, far: str | None = None):
+    """``check_budget`` for a host that cuts the budget into its mask rows (``RowCut``) and builds it off its step
+    (vLLM's grammar-compile thread): where the far zone is checked (``far`` not "off"), the tokenizer's table that
+    zone reads is made now (``lexed``: once per tokenizer, ~0.8 s at 151,665 tokens), not in the host's step."""
+    budget = check_budget(compiled, options, max_tokens)
+    vocab = getattr(budget, "_vocab", None)
+    if vocab is not None and far != "off":
+        vocab.lexed()
+    return budget
+
+
+LOST_KEPT = 4096
+LOST_MIDWAY: dict = {}  # the names of the rows whose budget lost its certificate mid-way, the last LOST_KEPT
+
+
+def row_mask(plan: RequestPlan, compile: Callable[[], CompiledConstraint], max_tokens: int | None,
+             stop_token_ids, log: logging.Logger):
+    """The mask of a request's row for a host's own sampler, which cannot draw again (mlx-lm's logits processor):
+    (mask, compiled).  The constraint's ``MaskProcessor`` with the request's budget in the row: an exact bound as
+    it is, a certified one as ``RowCut`` (our loop, when it serves the request, re-draws instead).  Where the
+    constraint or its budget fails at generation time (``compile()``, ``check_budget``), never the host's
+    generation thread: logged to ``log``, a ``StopOnlyMask`` over ``stop_token_ids`` (the request ends at once)
+    and None."""
+    try:
+        compiled = compile()
+        fit = check_budget(compiled, plan.options, max_tokens)
+    except (ConstraintError, ValueError) as e:
+        log.error("specgrammar: constraint failed at generation time: %s", e)
+        return StopOnlyMask(stop_token_ids, str(e)), None
+    if fit is not None and fit.settles:
+        fit = RowCut(fit)  # certified: a row
+    return MaskProcessor(compiled, None, fit), compiled
 
 
 class ServedRow:
@@ -599,3 +683,122 @@ def logged(gen, log: logging.Logger):
             yield r
     finally:
         gen.close()
+
+
+# ---------------------------------------------------------------------------------------------- strict, else enforced
+def without_strict(spec: ConstraintSpec, error: ConstraintError) -> ConstraintSpec | None:
+    """A host policy for ``compile_as_enforced``: the host's engine ignores the JSON Schema keywords it does not
+    enforce (vLLM 0.32's xgrammar backend), so a schema our strict mode refused for such a keyword (the refusal's
+    own words, ``schema.refusal``) is the same schema with ``strict`` off; None for any other error."""
+    if spec.kind != "json_schema" or spec.option("strict", True) is False or "strict=false" not in error.reason:
+        return None
+    return replace(spec, options=(*((k, v) for k, v in spec.options if k != "strict"), ("strict", False)))
+
+
+def compile_as_enforced(spec: ConstraintSpec, tok: TokenizerInfo, engine: str | None, options: dict,
+                        enforced: Callable[[ConstraintSpec, ConstraintError], ConstraintSpec | None] | None = None):
+    """(compiled, lenient): ``spec`` compiled strictly by ``engine`` with ``options``, else, where the host's
+    engine accepts what our strict mode refuses, the language that engine really enforces: ``enforced(spec,
+    error)``, the host's policy (e.g. ``without_strict``), gives the constraint to compile instead (``lenient``
+    True), or None, and the refusal stands.  Other errors stand."""
+    try:
+        return compile_constraint(spec, tok, engine=engine, **options), False
+    except ConstraintError as e:
+        instead = enforced(spec, e) if enforced is not None else None
+        if instead is None:
+            raise
+        return compile_constraint(instead, tok, engine=engine, **options), True
+
+
+# ---------------------------------------------------------------------------------------------- a served folder
+_FOLDER_TOKS: dict = {}  # (folder, engine) -> TokenizerInfo: one table per process
+
+
+def folder_tokenizer(folder: str, engine: str, log: logging.Logger | None = None) -> TokenizerInfo:
+    """The tokenizer of a model folder as ``engine`` reads it (``engine_tokenizer``) at the model's output width
+    (``model_vocab_size``), loaded once per process per folder and engine (a server's gate compiling for the model
+    its host serves)."""
+    tok = _FOLDER_TOKS.get((folder, engine))
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(folder)
+        tok = _FOLDER_TOKS[(folder, engine)] = engine_tokenizer(hf, model_vocab_size(folder, hf), engine, log)
+    return tok
+
+
+def cap_compile_cache(limit_bytes: int) -> None:
+    """Our compile cache bounded by ``limit_bytes`` where that is lower than its bound (and above 0): a host that
+    compiles every constraint again in its own engine, with its own cache bound (vLLM's ``VLLM_XGRAMMAR_CACHE_MB``)."""
+    if 0 < limit_bytes < COMPILE_CACHE.max_bytes:
+        COMPILE_CACHE.max_bytes = limit_bytes
+
+
+def switch_on(name: str) -> bool:
+    """An on/off environment switch (on by default): off where ``name`` is ``0``, ``false``, ``no`` or ``off``
+    (any case)."""
+    return os.environ.get(name, "1").lower() not in ("0", "false", "no", "off")
+
+
+# ---------------------------------------------------------------------------------------------- a launcher's argv
+def option_value(argv: list[str], name: str) -> str | None:
+    """The value of the first ``name VALUE`` or ``name=VALUE`` in a command line, or None."""
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def option_values(argv: list[str], name: str) -> list[str]:
+    """The values of an option that takes one or more (``--served-model-name a b``: up to the next option)."""
+    for i, a in enumerate(argv):
+        if a.startswith(name + "="):
+            return [a.split("=", 1)[1]]
+        if a == name:
+            out = []
+            for v in argv[i + 1:]:
+                if v.startswith("-"):
+                    break
+                out.append(v)
+            return out
+    return []
+
+
+def json_option(argv: list[str], name: str, *keys: str):
+    """The JSON value of option ``name`` (``option_value``), or what it holds at ``keys`` (objects within objects):
+    None where the option is missing, not JSON, or has nothing there."""
+    raw = option_value(argv, name)
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    for key in keys:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def take_options(argv: list[str], names) -> tuple[list[str], dict[str, str]]:
+    """A command line split into (the rest, {name: value}) for the options ``names`` (``name VALUE`` or
+    ``name=VALUE``; a later one wins), which a launcher handles itself before handing the rest on."""
+    rest: list[str] = []
+    taken: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name = next((o for o in names if a == o or a.startswith(o + "=")), None)
+        if name is None:
+            rest.append(a)
+            i += 1
+        elif a == name:
+            taken[name] = argv[i + 1]
+            i += 2
+        else:
+            taken[name] = a.split("=", 1)[1]
+            i += 1
+    return rest, taken
