@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from specgrammar_plugins.api import (COMPILE_CACHE, LOST_MIDWAY, ConstraintError, ConstraintSpec, MaskProcessor,
-                                     RequestPlan, RowCut, SpecOptions, StopOnlyMask, cap_compile_cache,
-                                     check_budget, compile_as_enforced, compile_constraint, engine_tokenizer,
-                                     folder_tokenizer, json_option, model_vocab_size, option_value, option_values,
-                                     row_mask, switch_on, take_options, without_strict)
+                                     RecipePackError, RequestPlan, RowCut, SpecOptions, StopOnlyMask, TokenizerInfo,
+                                     cap_compile_cache, check_budget, compile_as_enforced, compile_constraint,
+                                     engine_tokenizer, folder_tokenizer, json_option, load_pack, model_vocab_size,
+                                     option_value, option_values, row_budget, row_mask, switch_on, take_options,
+                                     without_strict)
 from specgrammar_plugins.masks import mask_allows, mask_words
 from specgrammar_plugins.models import tiny_path
 from specgrammar_plugins.testing import toy_tokenizer
@@ -75,13 +76,17 @@ def test_the_compile_cache_takes_a_lower_bound_only(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- strict, else enforced
 @pytest.fixture(scope="module")
-def xtok():
-    pytest.importorskip("xgrammar")
+def hf():
     transformers = pytest.importorskip("transformers")
-    folder = str(tiny_path("target"))
     if not (tiny_path("target") / "tokenizer.json").exists():
         pytest.skip("the tiny target model is not in the tree (issue 3)")
-    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(str(tiny_path("target")))
+
+
+@pytest.fixture(scope="module")
+def xtok(hf):
+    pytest.importorskip("xgrammar")
+    folder = str(tiny_path("target"))
     return folder, engine_tokenizer(hf, model_vocab_size(folder, hf), "xgrammar")
 
 
@@ -198,3 +203,21 @@ def test_whether_a_requests_chain_drafts_with_a_model():
     assert SpecOptions(k=2, drafters=("forced", "model")).model_drafts
     assert not SpecOptions(k=0, drafters=("model",)).model_drafts and not SpecOptions(drafters=("model",)).model_drafts
     assert not SpecOptions(k=3, drafters=("forced", "recipe")).model_drafts
+
+
+def test_a_servers_recipe_pack_is_loaded_as_a_requests_chain_loads_it(hf):
+    tok = TokenizerInfo.from_hf(hf, vocab_size=1024)
+    assert load_pack("json_extraction", tok, 1024, 4, {"recipes_dir": "/nulle/part/ñ"}).name == "recipe"
+    with pytest.raises(RecipePackError, match="not found"):
+        load_pack("pas_de_paquet_ñandú", tok, 1024, 4)
+    with pytest.raises(RecipePackError, match="tokenizer"):  # built for another model's tokenizer
+        load_pack("smollm2-135m.json_extraction", tok, 1024)
+
+
+def test_a_budget_for_rows_has_the_far_zones_tables_made(xtok):
+    _, tok = xtok
+    c = compile_constraint(ConstraintSpec.json_schema(BIG_ITEMS), tok, engine="xgrammar", xgrammar_strict_mode=True)
+    budget = row_budget(c, SpecOptions(), 256, "open")
+    assert budget.settles and budget._vocab._lexed is not None
+    assert row_budget(compile_constraint(ConstraintSpec.regex("ñ{2}"), tok, engine="xgrammar"), SpecOptions(), 8,
+                      "off").mode == "exact"

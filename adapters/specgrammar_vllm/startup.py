@@ -15,7 +15,7 @@ that request is served without it (logged), the engine goes on.
 
 from __future__ import annotations
 
-from specgrammar_plugins.api import RecipePackError, SamplingParams, SpecOptions, make_drafter
+from specgrammar_plugins.api import RecipePackError, load_pack
 
 
 class RecipePackStartupError(RecipePackError):
@@ -34,15 +34,14 @@ def _rank() -> str:
 
 def check_recipe_pack(states) -> None:
     """Load the engine-wide recipe pack of ``states`` (a ``GrammarStates``) the way a request's drafter chain does
-    (``make_drafter``: the pack file, its hash, its format, its tokenizer fingerprint); raise
+    (``api.load_pack``: the pack file, its hash, its format, its tokenizer fingerprint); raise
     ``RecipePackStartupError`` when it cannot be.  Nothing to do without the option or the ``recipe`` drafter."""
     recipe = states.options.get("recipe")
     if not recipe or "recipe" not in states.drafter_names:
         return
     try:
         states._tokenizer_info((), None)  # the model's tokenizer, as the drafters see it (packs are fingerprinted)
-        make_drafter(SpecOptions(k=states.k, drafters=("recipe",), recipe=recipe, extra=states.options),
-                     states._tokinfo, params=SamplingParams(temperature=0.0), target_vocab_size=states.vocab_size)
+        load_pack(recipe, states._tokinfo, states.vocab_size, states.k, states.options)
     except Exception as e:
         raise RecipePackStartupError(
             f"specgrammar: the recipe pack of --additional-config (specgrammar.recipe = {recipe!r}) cannot be loaded "

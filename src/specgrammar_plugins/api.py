@@ -51,7 +51,8 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
   grammar with its budget, exact or ``RowCut``, else stop tokens only), ``RowCut.lost_now`` / ``LOST_MIDWAY`` (a
   row's budget found lost, once); ``compile_as_enforced`` with a host's policy (``without_strict``: the host's
   engine ignores what our strict mode refuses), ``folder_tokenizer`` (a served model folder's tokenizer as an
-  engine reads it, once per process); a launcher's command line (``option_value``, ``option_values``,
+  engine reads it, once per process), ``load_pack`` (a server's recipe pack loaded at start-up as a request's
+  chain loads it); a launcher's command line (``option_value``, ``option_values``,
   ``json_option``, ``take_options``) and environment switches (``switch_on``);
 - what a host implements: ``ModelRunner`` (a model with a trimmable KV cache; ``HiddenStatesRunner``: one that also
   hands over its hidden states), ``TokenizerInfo``.
@@ -90,8 +91,8 @@ from .serving import (PromptCounter, RequestPlan, RowCut, RowPlan, ServedRow, co
                       server_compiles, draft_k, encode_prompt, logged,
                       plan_options, sampling_params, served_names, stop_ids, tokenizer_info, wait_for,
                       widen_listen_backlog, LOST_MIDWAY, cap_compile_cache, compile_as_enforced, folder_tokenizer,
-                      json_option, option_value, option_values, row_budget, row_mask, switch_on, take_options,
-                      without_strict)
+                      json_option, load_pack, option_value, option_values, row_budget, row_mask, switch_on,
+                      take_options, without_strict)
 from .speculation import budget_of, check_budget, make_drafter, make_loop, with_defaults
 from .tokenizer import TokenizerInfo
 from .unidiff import FilePatch, Hunk, PatchError, apply as apply_diff, parse_diff, state as diff_state
@@ -115,6 +116,6 @@ __all__ = [
     "server_compiles", "draft_k", "encode_prompt", "logged",
     "plan_options", "sampling_params", "served_names", "stop_ids", "tokenizer_info", "wait_for", "widen_listen_backlog",
     "LOST_MIDWAY", "cap_compile_cache", "compile_as_enforced", "folder_tokenizer", "json_option", "option_value",
-    "option_values", "row_budget", "row_mask", "switch_on", "take_options", "without_strict", "CONSTRAINT_FIELDS",
+    "option_values", "load_pack", "row_budget", "row_mask", "switch_on", "take_options", "without_strict", "CONSTRAINT_FIELDS",
     "FilePatch", "Hunk", "PatchError", "apply_diff", "diff_state", "parse_diff",
 ]

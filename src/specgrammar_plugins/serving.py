@@ -30,7 +30,8 @@ shrink"), offered to every adapter through ``api``:
   found lost (once, logged, ``LOST_MIDWAY``) or dropped after a fault;
 - ``compile_as_enforced``: a constraint compiled strictly, else as the host's engine enforces it (the host's
   policy: ``without_strict``); ``folder_tokenizer``: a served model folder's tokenizer as an engine reads it, once
-  per process; ``cap_compile_cache``: our compile cache bounded as the host bounds its own;
+  per process; ``cap_compile_cache``: our compile cache bounded as the host bounds its own; ``load_pack``: a
+  server's engine-wide recipe pack loaded at start-up as a request's chain loads it;
 - a launcher's command line and environment: ``option_value``, ``option_values``, ``json_option``,
   ``take_options``, ``switch_on``.
 """
@@ -62,7 +63,7 @@ from .history import MaskProcessor, StopOnlyMask
 from .plugins import drafters as registered_drafters
 from .recipes import resolve_name as resolve_pack_name
 from .requests import SpecOptions
-from .speculation import check_budget, make_loop
+from .speculation import check_budget, make_drafter, make_loop
 from .tokenizer import TokenizerInfo
 
 
@@ -725,6 +726,15 @@ def folder_tokenizer(folder: str, engine: str, log: logging.Logger | None = None
         hf = AutoTokenizer.from_pretrained(folder)
         tok = _FOLDER_TOKS[(folder, engine)] = engine_tokenizer(hf, model_vocab_size(folder, hf), engine, log)
     return tok
+
+
+def load_pack(recipe: str, tok: TokenizerInfo, vocab_size: int, k: int | None = None, extra: dict | None = None):
+    """A server's engine-wide recipe pack loaded as a request's drafter chain loads it (``make_drafter`` with the
+    ``recipe`` drafter alone: the pack file, its hash, its format, its tokenizer's fingerprint against ``tok``), so
+    that a pack the server cannot load stops its start-up instead of every request's drafts: raises what the chain
+    raises."""
+    options = SpecOptions(k=k, drafters=("recipe",), recipe=recipe, extra={} if extra is None else extra)
+    return make_drafter(options, tok, params=SamplingParams(temperature=0.0), target_vocab_size=vocab_size)
 
 
 def cap_compile_cache(limit_bytes: int) -> None:
