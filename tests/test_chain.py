@@ -96,16 +96,19 @@ class Guess:
         return push_run(block, [int(np.argmax(np.where(allowed, z, -np.inf)))], self.name)
 
 
-def _gated_chain(tok, guess, draft, params, rng, gate):
+def _gated_chain(tok, guess, draft, params, rng, gate, sure=None):
     from specgrammar_plugins.drafters import ForcedDrafter, ModelDrafter
 
-    return ChainDrafter([ForcedDrafter(tok.encode), Guess(guess), ModelDrafter(draft, params, rng)], gate=gate)
+    return ChainDrafter([ForcedDrafter(tok.encode), Guess(guess), ModelDrafter(draft, params, rng)], gate=gate,
+                        sure=sure)
 
 
-def test_one_hot_gate_keeps_the_target_law(toy_tok):
+@pytest.mark.parametrize("gate,sure", [(0.3, None), (None, 0.3)], ids=["one_hot_gate", "draft_arbiter"])
+def test_one_hot_gate_keeps_the_target_law(toy_tok, gate, sure):
     """At T > 0 the gate (``one_hot_gate``) hands positions whose one-hot draft the draft model finds unlikely to
-    the model's own sampled draft: whole outputs still follow plain constrained sampling's exact law (chi-square,
-    p > 0.001), and the gate did refuse one-hot drafts that the model then drafted."""
+    the model's own sampled draft, and the arbiter (``draft_arbiter``) those where the draft model is sure of another
+    token: whole outputs still follow plain constrained sampling's exact law (chi-square, p > 0.001), and one-hot
+    drafts were refused that the model then drafted."""
     import zlib
     from collections import Counter
 
@@ -127,7 +130,7 @@ def test_one_hot_gate_keeps_the_target_law(toy_tok):
     N = 3000
     seen, gated, by_source = Counter(), 0, Counter()
     for _ in range(N):
-        chain = _gated_chain(toy_tok, guess, draft, params, rng, 0.3)
+        chain = _gated_chain(toy_tok, guess, draft, params, rng, gate, sure)
         out, st = generate(target, prompt, constraint=c, drafter=chain, k=4, params=params, max_tokens=8, rng=rng)
         seen[tuple(out)] += 1
         gated += chain.gated
@@ -154,3 +157,50 @@ def test_one_hot_gate_option(monkeypatch):
     for bad in (0, 1.5, "most", True):
         with pytest.raises(RequestError, match="one_hot_gate"):
             build_chain(["forced", "suffix"], DraftContext(params=hot, options={**opts, "one_hot_gate": bad}))
+
+
+def test_draft_arbiter_at_t0_keeps_greedy_output(toy_tok):
+    """At T = 0 the arbiter changes only who drafts: every output equals plain constrained greedy decoding, token for
+    token, and the arbiter did overrule one-hot drafts (fewer or as many target passes is not asserted here: that is
+    a benchmark figure, docs/BENCHMARKS.md)."""
+    import numpy as np
+
+    from specgrammar_plugins import ConstraintSpec, compile_constraint
+    from specgrammar_plugins.distributions import GREEDY
+    from specgrammar_plugins.loop import generate
+    from specgrammar_plugins.testing import MarkovRunner
+
+    c = compile_constraint(ConstraintSpec.regex(r"(a|b|ab)(a|ba)?-[0-9]{1,3}"), toy_tok, engine="dfa")
+    refused = 0
+    for seed in range(6):
+        target = MarkovRunner(toy_tok.vocab_size, seed=seed, valid=len(toy_tok.token_bytes))
+        draft = MarkovRunner(toy_tok.vocab_size, seed=seed + 10, noise_of=target, noise=0.5)
+        guess = MarkovRunner(toy_tok.vocab_size, seed=seed + 20, noise_of=target, noise=3.0)
+        prompt = toy_tok.encode("ab")
+        plain, _ = generate(target, prompt, constraint=c, drafter=None, k=4, params=GREEDY, max_tokens=10)
+        rng = np.random.default_rng(seed)
+        chain = _gated_chain(toy_tok, guess, draft, GREEDY, rng, None, 0.3)
+        out, _ = generate(target, prompt, constraint=c, drafter=chain, k=4, params=GREEDY, max_tokens=10, rng=rng)
+        assert list(out) == list(plain), seed
+        refused += chain.gated
+    assert refused > 0
+
+
+def test_draft_arbiter_option(monkeypatch):
+    from specgrammar_plugins.distributions import GREEDY
+    from specgrammar_plugins.drafters import DRAFT_ARBITER, draft_arbiter
+
+    monkeypatch.delenv("SPECGRAMMAR_DRAFT_ARBITER", raising=False)
+    assert draft_arbiter(DraftContext(params=GREEDY)) == DRAFT_ARBITER  # on by default, at every temperature
+    assert draft_arbiter(DraftContext(options={"draft_arbiter": 0.5})) == 0.5
+    assert draft_arbiter(DraftContext(options={"draft_arbiter": "off"})) is None
+    monkeypatch.setenv("SPECGRAMMAR_DRAFT_ARBITER", "off")
+    assert draft_arbiter(DraftContext()) is None
+    monkeypatch.setenv("SPECGRAMMAR_DRAFT_ARBITER", "0.9")
+    assert draft_arbiter(DraftContext()) == 0.9
+    opts = {"suffix_index": SuffixIndex()}
+    chain = build_chain(["forced", "suffix"], DraftContext(options=opts))
+    assert isinstance(chain, ChainDrafter) and chain.sure is None  # no draft model in the chain: no arbiter
+    for bad in (0, 1.5, "sure", True, "1e9"):
+        with pytest.raises(RequestError, match="draft_arbiter"):
+            build_chain(["forced", "suffix"], DraftContext(options={**opts, "draft_arbiter": bad}))

@@ -192,6 +192,9 @@ def server_splits(key, token_bytes: Sequence[bytes]) -> ForcedSplits:
     return splits
 
 
+_UNTEMPERED = SamplingParams(temperature=1.0)
+
+
 class ModelDrafter:
     """A draft model behind a ``ModelRunner``: one token per call, from the proposal law r = law(draft logits,
     the block's mask, the same sampling options), computed by the round's law backend (``block.law``) where the
@@ -236,6 +239,17 @@ class ModelDrafter:
         pushed = block.push(token, law, "model", check=not self.blind)
         return 1 if pushed else 0
 
+    def top(self, block: DraftBlock) -> tuple[int, float]:
+        """The draft model's most likely token at the block's current position under its mask, and that token's
+        probability in the untempered (T = 1) masked law: how sure the draft model is, whatever the sampling options
+        (no random draw is used; the logits are kept for ``extend``)."""
+        logits = self._logits(block.sequence())
+        law_backend = block.law if block.law is not None else laws.get(None)
+        _, law = law_backend.draft(logits, block, _UNTEMPERED, 0.5, blind=self.blind, width=self.width)
+        dense = np.asarray(law_backend.dense(law, self.width))
+        best = int(dense.argmax())
+        return best, float(dense[best])
+
     def prob(self, block: DraftBlock, token: int) -> float:
         """The proposal law's probability of ``token`` at the block's current position (the law ``extend`` would
         draw from there; no random draw is used, and the draft model's logits are kept for that draw)."""
@@ -249,22 +263,38 @@ class ModelDrafter:
 
 
 class _Gated:
-    """A view of a ``DraftBlock`` that refuses a one-hot draft (a source other than ``forced``) to which the draft
-    model gives less than ``floor`` (``ModelDrafter.prob``); everything else is the block's.  ``ChainDrafter``
-    hands it to its one-hot sources at T > 0 (``gate``): such a draft is accepted with the target's own
-    probability of that token, where the draft model's sampled draft is accepted with sum min(p, q)."""
+    """A view of a ``DraftBlock`` through which the draft model judges the one-hot drafts of the chain's other
+    sources; everything else is the block's.  Two rules (``ChainDrafter``), each off when None:
 
-    def __init__(self, block: DraftBlock, model: ModelDrafter, floor: float):
-        self._block, self._model, self._floor = block, model, floor
+    - ``floor`` (``one_hot_gate``, T > 0): a one-hot draft (not ``forced`` nor ``forced-jump``) to which the draft
+      model gives less than ``floor`` is refused (``ModelDrafter.prob``);
+    - ``sure`` (``draft_arbiter``): a one-hot draft (anything but a ``forced`` single-token position, so the
+      forced drafter's jump-forward tokenization too) is refused where the draft model's own most likely token under
+      the mask is another one and the draft model gives that token at least ``sure`` in its untempered law
+      (``ModelDrafter.top``).
+
+    The position is then the draft model's.  Both read the context alone (no random draw), and each draft is verified
+    with the law it was drawn from, so neither changes the output law."""
+
+    def __init__(self, block: DraftBlock, model: ModelDrafter, floor: float | None, sure: float | None = None):
+        self._block, self._model, self._floor, self._sure = block, model, floor, sure
         self.refused = 0
 
     def __getattr__(self, name):
         return getattr(self._block, name)
 
+    def _refuses(self, b: DraftBlock, token: int, source: str) -> bool:
+        m = self._model
+        if self._floor is not None and source not in FORCED_SOURCES and m.prob(b, token) < self._floor:
+            return True
+        if self._sure is not None:
+            best, p = m.top(b)
+            return best != token and p >= self._sure
+        return False
+
     def push(self, token: int, law=None, source: str = "model", *, check: bool = True) -> bool:
         b = self._block
-        if law is None and source not in FORCED_SOURCES and not b.done and b.allows(token) and \
-                self._model.prob(b, token) < self._floor:
+        if law is None and source != "forced" and not b.done and b.allows(token) and self._refuses(b, token, source):
             self.refused += 1
             return False
         return b.push(token, law, source, check=check)
@@ -297,12 +327,14 @@ class ChainDrafter:
     FORCED = "forced"
     PRIOR = (1.0, 1.0)  # Beta(alpha, beta): pseudo-counts of accepted and rejected drafts per source
 
-    def __init__(self, drafters: Sequence[Drafter], *, learn: bool = False, gate: float | None = None):
+    def __init__(self, drafters: Sequence[Drafter], *, learn: bool = False, gate: float | None = None,
+                 sure: float | None = None):
         self.drafters = list(drafters)
         self.learn = learn
         # at T > 0 (``build_chain``: the option "one_hot_gate"): the draft model's floor for a one-hot draft
         self.model = next((d for d in self.drafters if isinstance(d, ModelDrafter)), None)
         self.gate = gate if self.model is not None else None
+        self.sure = sure if self.model is not None else None
         self.gated = 0  # one-hot drafts refused by the gate (the draft model drafted there, or nothing did)
         self.accepted: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
@@ -353,12 +385,12 @@ class ChainDrafter:
     def extend(self, block: DraftBlock, budget: int) -> int:
         if self.learn and block is not self._block:
             self._judge(block)
-        view = block if self.gate is None else _Gated(block, self.model, self.gate)
+        view = block if self.gate is None and self.sure is None else _Gated(block, self.model, self.gate, self.sure)
         try:
             for d in self._order:
                 if d is None:
                     return 0  # the host's draft model drafts here
-                n = d.extend(block if d is self.model or d.name == self.FORCED else view, budget)
+                n = d.extend(block if d is self.model else view, budget)
                 if n:
                     return n
             return 0
@@ -403,8 +435,42 @@ def build_chain(names: Sequence[str], ctx: DraftContext) -> Drafter | None:
                            f'got {order!r}')
     if not out:
         return None
-    gate = one_hot_gate(ctx)
-    return out[0] if len(out) == 1 else ChainDrafter(out, learn=order == "learnt", gate=gate)
+    return out[0] if len(out) == 1 else ChainDrafter(out, learn=order == "learnt", gate=one_hot_gate(ctx),
+                                                     sure=draft_arbiter(ctx))
+
+
+def _probability_option(ctx: DraftContext, key: str, env: str, default: float | None) -> float | None:
+    """The option ``key`` (else the environment's ``env``) as a probability in (0, 1]; ``default`` when unset,
+    None when set to "off" (or false)."""
+    from .errors import RequestError
+
+    raw = ctx.options.get(key, os.environ.get(env))
+    if raw is None or raw == "":
+        return default
+    if raw is False or raw == "off":
+        return None
+    try:
+        p = float(raw)
+    except (TypeError, ValueError):
+        p = float("nan")
+    if not 0.0 < p <= 1.0 or isinstance(raw, bool):
+        raise RequestError(f'the option "{key}" (or {env}) must be a probability in (0, 1] or "off", got {raw!r}')
+    return p
+
+
+DRAFT_ARBITER = 0.8  # the default ``draft_arbiter`` (docs/BENCHMARKS.md, issue 32: 0.6-0.9 measured on SmolLM2)
+
+
+def draft_arbiter(ctx: DraftContext) -> float | None:
+    """How sure the draft model must be to overrule a one-hot draft: the option ``"draft_arbiter"`` (or the
+    environment's ``SPECGRAMMAR_DRAFT_ARBITER``), a probability in (0, 1], ``DRAFT_ARBITER`` when unset, "off" to
+    turn it off.  Only a chain that holds a draft model (``ModelDrafter``) has an arbiter.
+
+    The recipe, layout, prompt-copy and suffix sources and the forced drafter's jump-forward tokenization propose
+    one token where the draft model may know better: where the draft model's most likely token under the grammar
+    mask is another one, held with at least this probability (its untempered law), the position is the draft
+    model's.  On SmolLM2-135M at T = 0 this took the six workloads from 120 to 105 target passes (mlx-lm)."""
+    return _probability_option(ctx, "draft_arbiter", "SPECGRAMMAR_DRAFT_ARBITER", DRAFT_ARBITER)
 
 
 def one_hot_gate(ctx: DraftContext) -> float | None:
@@ -416,18 +482,7 @@ def one_hot_gate(ctx: DraftContext) -> float | None:
     token only where the draft model gives it at least that probability, and lets the model draw its own draft
     elsewhere (inside sampled strings and numbers).  The choice depends on the context alone (no random draw), and
     each draft is verified with the law it was drawn from, so the output law stays the target's."""
-    from .errors import RequestError
-
-    raw = ctx.options.get("one_hot_gate", os.environ.get("SPECGRAMMAR_ONE_HOT_GATE"))
-    if raw is None or raw == "" or raw is False:
-        return None
-    try:
-        gate = float(raw)
-    except (TypeError, ValueError):
-        gate = float("nan")
-    if not 0.0 < gate <= 1.0 or isinstance(raw, bool):
-        raise RequestError(f'the option "one_hot_gate" (or SPECGRAMMAR_ONE_HOT_GATE) must be a probability in '
-                           f'(0, 1], got {raw!r}')
+    gate = _probability_option(ctx, "one_hot_gate", "SPECGRAMMAR_ONE_HOT_GATE", None)
     return None if ctx.params.greedy else gate
 
 
