@@ -204,3 +204,53 @@ def test_draft_arbiter_option(monkeypatch):
     for bad in (0, 1.5, "sure", True, "1e9"):
         with pytest.raises(RequestError, match="draft_arbiter"):
             build_chain(["forced", "suffix"], DraftContext(options={**opts, "draft_arbiter": bad}))
+
+
+def test_a_row_that_waits_for_the_batched_draft_pass_drafts_as_alone(toy_tok):
+    """``batch.draft_rows``: a row whose draft model (over a ``DraftRow``) waits for the host's batched draft pass
+    drafts the same tokens from the same sources as the same chain alone, with the arbiter on: the draft model may
+    be asked to judge another source's one-hot draft, and after the pass that draft is judged, not replaced by the
+    model's own (the chain runs again where it waited)."""
+    import numpy as np
+
+    from specgrammar_plugins import ConstraintSpec, compile_constraint
+    from specgrammar_plugins.api import DraftRow, draft_rows
+    from specgrammar_plugins.distributions import GREEDY
+    from specgrammar_plugins.drafters import ForcedDrafter, ModelDrafter
+    from specgrammar_plugins.loop import SpeculativeLoop
+    from specgrammar_plugins.testing import MarkovRunner
+
+    V = toy_tok.vocab_size
+    c = compile_constraint(ConstraintSpec.regex(r"(a|b|ab)(a|ba)?-[0-9]{1,3}"), toy_tok, engine="dfa")
+    prompt = toy_tok.encode("ab")
+    gated = 0
+    for seed in range(8):
+        target = MarkovRunner(V, seed=seed, valid=len(toy_tok.token_bytes))
+        draft = MarkovRunner(V, seed=seed + 10, noise_of=target, noise=0.5)
+        guess = MarkovRunner(V, seed=seed + 20, noise_of=target, noise=3.0)
+
+        def chain(runner):
+            return ChainDrafter([ForcedDrafter(toy_tok.encode), Guess(guess), ModelDrafter(runner, GREEDY,
+                                 np.random.default_rng(seed))], sure=0.3)
+
+        def loop(runner):
+            return SpeculativeLoop(target, prompt, constraint=c, drafter=chain(runner), k=4, params=GREEDY,
+                                   max_tokens=10)
+
+        alone = loop(draft)
+        block = alone._open()
+        fill(block, alone.drafter)
+        row = DraftRow(prompt[:-1], V)
+        host = [list(prompt[:-1])]
+
+        def pass_(asks):  # the host's batched draft pass: drop, feed, the logits of the last token fed
+            (drop, toks), = asks.values()
+            host[0] = host[0][:len(host[0]) - drop] + toks
+            seq = host[0]
+            return {key: draft.logits_after(seq[-2] if len(seq) > 1 else -1, seq[-1])[None] for key in asks}
+
+        got, = draft_rows([("r", loop(row))], pass_)
+        assert not isinstance(got, BaseException), got
+        assert (got.tokens, got.sources) == (block.tokens, block.sources), seed
+        gated += alone.drafter.gated
+    assert gated > 0  # the arbiter overruled one-hot drafts on the way

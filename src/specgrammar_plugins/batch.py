@@ -670,12 +670,13 @@ def _waiting_drafter(loop):
     return None
 
 
-def _fill_row(loop, block: DraftBlock, resume=None) -> bool:
-    """Fill ``block`` with the row's chain, the waiting drafter first when ``resume`` (it waited inside the chain at
-    this position: the drafters before it proposed nothing here); True when the row waits for a draft pass."""
+def _fill_row(loop, block: DraftBlock) -> bool:
+    """Fill ``block`` with the row's chain; True when the row waits for a draft pass.  After the pass the whole chain
+    runs again from the position where it waited (it is a function of the block's sequence, and the waiting
+    drafter's runner now holds the logits), not the waiting drafter alone: the draft model may have been asked to
+    judge another source's one-hot draft there (``drafters.draft_arbiter``), which must be judged as the serial loop
+    judges it."""
     try:
-        if resume is not None and not block.done:
-            resume.extend(block, block.room)
         if block.budget > 0:
             fill(block, loop.drafter)
     except DraftPending:
@@ -695,9 +696,9 @@ def draft_rows(rows: Sequence[tuple[Any, Any]], draft: Callable[[dict], dict] | 
     out: list = [None] * len(rows)
     waiting: dict[int, DraftBlock] = {}
 
-    def go(i: int, block: DraftBlock, resume=None) -> None:
+    def go(i: int, block: DraftBlock) -> None:
         try:
-            if _fill_row(rows[i][1], block, resume):
+            if _fill_row(rows[i][1], block):
                 if draft is None:
                     raise RuntimeError("a row's draft model waits for a batched draft pass, but the host has none")
                 waiting[i] = block
@@ -729,7 +730,7 @@ def draft_rows(rows: Sequence[tuple[Any, Any]], draft: Callable[[dict], dict] | 
             except Exception as e:
                 out[i] = e
                 continue
-            go(i, block, runners[i])
+            go(i, block)
     return out
 
 
