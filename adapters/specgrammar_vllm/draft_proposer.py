@@ -272,23 +272,11 @@ class GrammarDrafting:
         if am is None:
             am = logits.argmax(dim=-1)
         toks = am.tolist()
-        refused: list = []  # the rows masked_argmax decided
-
-        def masked(items):
-            refused.append(items)
-            return self._masked_argmax(logits, items)
-
-        if not self.batch.lazy(plan, rows, toks, masked):
+        if not self.batch.lazy(plan, rows, toks, lambda items: self._masked_argmax(logits, items)):
             return am, toks
-        if am.is_cpu:  # (our own argmax: written in place, through numpy, only where ``lazy`` may have changed it;
-            out = am.numpy()  # a new tensor costs ~20 us right after the [B, V] argmax has swept the caches, a
-            if out.dtype == np.int64:  # whole row of Python ints ~4 us)
-                for i, _ in plan.host:
-                    out[i] = toks[i]
-                for items in refused:
-                    for i, _ in items:
-                        out[i] = toks[i]
-                return am, toks
+        if am.is_cpu and am.dtype == torch.int64:  # (our own argmax: written in place, through numpy;
+            am.numpy()[:] = toks  # a new tensor costs ~20 us right after the [B, V] argmax has swept the caches)
+            return am, toks
         return torch.tensor(toks, dtype=am.dtype).to(logits.device, non_blocking=True), toks
 
     def _masked_argmax(self, logits, items: list) -> list[int]:
@@ -300,9 +288,8 @@ class GrammarDrafting:
         rest = list(range(len(items)))
         if logits.is_cpu and self._vocab > CPU_KERNEL_MAX_VOCAB:  # (is_cpu: no device object made)
             host = _numpy_view(logits)
-            width = host[0].shape[-1] if host is not None else logits.shape[-1]  # (once, not a torch call a row)
             for n, (i, row) in enumerate(items):
-                out[n] = self._allowed_argmax(logits, i, row, host, width)
+                out[n] = self._allowed_argmax(logits, i, row, host)
             rest = [n for n, t in enumerate(out) if t is None]
         if rest:  # the kernel (the one vLLM's structured outputs mask the target with) on those rows
             bm = self._bitmask_np
@@ -315,17 +302,15 @@ class GrammarDrafting:
                 out[n] = t
         return out
 
-    def _allowed_argmax(self, logits, i: int, row: np.ndarray, host=None, width: int | None = None) -> int | None:
+    def _allowed_argmax(self, logits, i: int, row: np.ndarray, host=None) -> int | None:
         """On a CPU: the masked argmax of row ``i`` taken over its allowed ids alone (ascending, so the first
         maximum is the kernel's; ids past the vocabulary, which the kernel leaves unmasked, included): at 151,936
         tokens ~7x cheaper than the kernel on the row.  None where the kernel must decide: no allowed id, or none
         with a logit above -inf.  ``host``: the logits as numpy sees them (``_numpy_view``), gathered and compared
-        there (a torch op per row costs more than its few hundred elements), else torch's.  ``width``: the logits'
-        last dimension, where the caller has it."""
+        there (a torch op per row costs more than its few hundred elements), else torch's."""
         vocab = self._vocab
         ids = allowed_ids(row, vocab, self._ids_cache)
-        if width is None:
-            width = logits.shape[-1]
+        width = logits.shape[-1]
         if width > vocab:
             ids = np.concatenate([ids, np.arange(vocab, width)])
         if not len(ids):

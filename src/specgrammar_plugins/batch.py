@@ -483,27 +483,18 @@ class BatchDrafter:
         product of them at this step falls below ``confidence`` drafts nothing more at this step (that draft is
         its last: ``draft_confidence``)."""
         j = step.pos
-        low = self.confidence if conf else None
+        low = self.confidence
         ended = 0
-        # (once per row per position, on caches the host's draft pass has swept: attributes read once each)
         for i, r in enumerate(step.rows):
-            if r is None:
-                continue
-            b = r.block
+            b = r.block if r is not None else None
             if b is None:
                 continue
-            bt = b.tokens
-            n = len(bt)
-            if n == j:  # not pushed yet (``lazy`` pushed its model rows; a host draft is there)
-                t = int(tokens[i])
-                if not b.done and not b.push(t, None, "model"):
-                    b.closed = True  # outside the mask: cannot happen after masking
-                n = len(bt)
-            if r.real == j and n > j:
-                if bt[j] != int(tokens[i]):
-                    continue
-                r.real = j + 1
-                if low is not None and i in conf and b.sources[j] == "model" and not b.closed:
+            t = int(tokens[i])
+            if len(b.tokens) == j and not b.done and not b.push(t, None, "model"):
+                b.closed = True  # outside the mask: cannot happen after masking
+            if r.real == j and len(b.tokens) > j and b.tokens[j] == t:
+                r.real += 1
+                if conf and i in conf and low is not None and b.sources[j] == "model" and not b.closed:
                     r.reach *= conf[i]
                     if r.reach < low:
                         b.closed = True
