@@ -223,3 +223,93 @@ def test_the_memo_keeps_a_compiled_constraint_only_while_something_else_does(toy
     assert len(made) == 1 and again is made[0]  # nothing held it: made again
     assert table.memo(("spec", 0), lambda: "a spec") == "a spec"
     assert table.memo(("spec", 0), lambda: "made twice") == "a spec"  # (specs are kept)
+
+
+class _Run:
+    """A one-hot source that drafts a fixed run of tokens, position by position (a recipe, in short)."""
+
+    name = "recipe"
+
+    def __init__(self, run):
+        self.run = run
+
+    def extend(self, block, budget):
+        from specgrammar_plugins.drafters import push_run
+
+        return push_run(block, self.run[len(block.tokens):][:budget], "recipe")
+
+
+@pytest.mark.parametrize("sure", [0.8, 0.95])
+def test_the_host_draft_models_arbiter_judges_each_host_draft_at_its_own_position(toy_tok, sure):
+    """vLLM's draft model is the host's (``BatchDrafter.plan``'s ``top``): the chain pushes its run at once, the
+    draft at the plan's position judged there and those after it when the draft model's logits of their position
+    come (``needs_model`` asks for those passes).  Where the draft model's masked argmax is another token, held with
+    at least the arbiter's probability, the block is cut back there and the position is the draft model's."""
+    from specgrammar_plugins.drafters import ChainDrafter, ForcedDrafter
+
+    compiled = compile_constraint(ConstraintSpec.regex("[a-z]+"), toy_tok, engine="dfa")
+    a, b, c, d = (toy_tok.encode(x)[0] for x in "abcd")
+    chain = ChainDrafter([ForcedDrafter(), _Run([a, b, c, a])], sure=sure)
+    table = Table(toy_tok)
+    table.new_state = lambda req, req_id=None: RequestState(HistoryMatcher(compiled), chain, 2,
+                                                            toy_tok.stop_token_ids)
+    batch = BatchDrafter(table, toy_tok.vocab_size, refused_drafts=None, confidence=None)
+    step = _step(table, batch, [{}], [5, 6])
+    row = step.rows[0]
+    asked = []
+
+    def top(i, mask):  # the draft model: sure of d at position 2 (0.9), agreeing elsewhere
+        j = step.pos
+        asked.append(j)
+        assert i == 0 and mask_allows(mask, d)
+        return (d, 0.9) if j == 2 else (row.block.tokens[j] if len(row.block.tokens) > j else a, 0.99)
+
+    for j in range(K):
+        plan = batch.plan(step, 1, top=top)
+        toks = list(plan.known) if plan.known is not None else [0]
+        if plan.model:
+            toks = [d]  # the draft model's own argmax
+            batch.lazy(plan, step.rows, toks, lambda items: [d] * len(items))
+        batch.advance(step, toks)
+        step.pos += 1
+        if step.pos < K:
+            assert batch.needs_model(step)  # the pending drafts wait for their position's logits
+    assert asked == ([0, 1, 2, 2, 3] if sure == 0.8 else [0, 1, 2, 3])  # each position at its own pass
+    if sure == 0.8:  # overruled at 2: cut back there (the run's 2 and 3 gone), the draft model's d, then the run's a
+        assert row.block.tokens == [a, b, d, a] and row.block.sources == ["recipe", "recipe", "model", "recipe"]
+        assert chain.gated == 2  # the pending draft at 2, then the run's c again, judged at 2
+    else:  # not sure enough: the run stands
+        assert row.block.tokens == [a, b, c, a] and chain.gated == 0
+    assert row.real == K
+    m = row.block.matcher  # the history's matcher followed the cut: it holds the block's tokens
+    assert m._fed[-K:] == row.block.tokens
+
+
+def test_a_cut_block_is_the_block_before_its_cut_drafts(toy_tok):
+    """``DraftBlock.cut(j)``: the drafts from ``j`` on dropped, the matcher rolled back, the free forced count and the
+    masks as they were: the same tokens, sources, room and next mask as a block that only ever got the first ``j``
+    drafts (forced ones among them), and it drafts on from there as that block does."""
+    import numpy as np
+
+    from specgrammar_plugins.block import DraftBlock
+
+    compiled = compile_constraint(ConstraintSpec.regex("ab(cd|ce)[a-z]+"), toy_tok, engine="dfa")
+    a, b, c, d, e = (toy_tok.encode(x)[0] for x in "abcde")
+    run = [(a, "forced"), (b, "forced"), (c, "forced"), (d, "recipe"), (a, "recipe")]
+
+    def block(n):
+        blk = DraftBlock([5, 6], compiled.matcher(), toy_tok.vocab_size, 2, free=4)
+        for t, s in run[:n]:
+            blk.mask()
+            assert blk.push(t, None, s)
+        blk.mask()
+        return blk
+
+    for j in range(len(run)):
+        cut, fresh = block(len(run)), block(j)
+        cut.cut(j)
+        assert (cut.tokens, cut.sources, cut.matched, cut.n_free, cut.room) == \
+            (fresh.tokens, fresh.sources, fresh.matched, fresh.n_free, fresh.room), j
+        assert np.array_equal(cut.mask(), fresh.mask()), j
+        assert cut.push(e, None, "model") == fresh.push(e, None, "model"), j
+        assert cut.tokens == fresh.tokens and np.array_equal(cut.mask(), fresh.mask()), j

