@@ -381,7 +381,7 @@ def make_row(target: MLXBatchTarget, tokenizer, req: BatchRequest, *, k: int = 4
     tokinfo = compiled.tokenizer if compiled is not None else tokenizer_info(tokenizer, width)
     options = req.options if req.options.k is not None else SpecOptions(**{**req.options.__dict__, "k": k})
     prompt = [int(t) for t in req.prompt]
-    row = draft.add(key, prompt[:-1]) if draft is not None and options.k and "model" in options.drafters else None
+    row = draft.add(key, prompt[:-1]) if draft is not None and options.model_drafts else None
     return make_loop(BatchLoop.runner(prompt, width, target.tensors), prompt, options, constraint=compiled,
                      tokenizer=tokinfo, params=sampling_params(req.temperature, req.top_p, req.top_k, req.min_p),
                      rng=np.random.default_rng(req.seed), draft_runner=row, max_tokens=req.max_tokens,
