@@ -317,9 +317,7 @@ class GrammarDrafting:
         if not len(ids):
             return None
         if host is not None:
-            vals = host[0][i].take(ids)
-            if host[1]:  # bfloat16 bits -> float32, exact
-                vals = (vals.astype(np.uint32) << 16).view(np.float32)
+            vals = _take(host, i, ids)
             j = int(vals.argmax())  # (numpy's argmax, as torch's, takes the first NaN as the maximum)
             return None if vals[j] == float("-inf") else int(ids[j])
         vals = logits[i].index_select(0, torch.from_numpy(ids))
@@ -328,18 +326,15 @@ class GrammarDrafting:
             return None
         return int(ids[j])
 
-    def _masked_top(self, logits, i: int, row: np.ndarray) -> tuple[int, float]:
+    def _masked_top(self, logits, i: int, row: np.ndarray, host=None) -> tuple[int, float]:
         """The argmax of row ``i`` of ``logits`` under the packed mask ``row`` and its probability in the untempered
         masked law softmax(mask(logits)) (the draft arbiter's ``top``); (-1, 0.0) where nothing allowed has a finite
-        logit."""
+        logit.  ``host``: the logits as numpy sees them (``_numpy_view``, taken once per position), else torch's."""
         ids = allowed_ids(row, self._vocab, self._ids_cache)
         if not len(ids):
             return -1, 0.0
-        host = _numpy_view(logits) if logits.is_cpu else None
         if host is not None:
-            vals = host[0][i].take(ids)
-            if host[1]:  # bfloat16 bits -> float32, exact
-                vals = (vals.astype(np.uint32) << 16).view(np.float32)
+            vals = _take(host, i, ids)
         else:
             vals = logits[i].index_select(0, torch.from_numpy(ids).to(logits.device)).float().cpu().numpy()
         vals = vals.astype(np.float64)
@@ -449,15 +444,16 @@ class _Judge:
     its logits computed on first demand (the lm head over the position's hidden states, which the drafting loop
     then reuses), the row's argmax under the block's mask and its untempered probability (``_masked_top``)."""
 
-    __slots__ = ("proposer", "hidden", "logits")
+    __slots__ = ("proposer", "hidden", "logits", "host")
 
     def __init__(self, proposer, hidden):
-        self.proposer, self.hidden, self.logits = proposer, hidden, None
+        self.proposer, self.hidden, self.logits, self.host = proposer, hidden, None, None
 
     def __call__(self, i: int, mask: np.ndarray) -> tuple[int, float]:
         if self.logits is None:
             self.logits = self.proposer.model.compute_logits(self.hidden)
-        return self.proposer._masked_top(self.logits, i, mask)
+            self.host = _numpy_view(self.logits) if self.logits.is_cpu else None  # (once per position, not per row)
+        return self.proposer._masked_top(self.logits, i, mask, self.host)
 
 
 def _probability_of(logits, rows: list[int], tokens: list[int], temperatures: list[float]) -> dict[int, float]:
@@ -471,6 +467,12 @@ def _probability_of(logits, rows: list[int], tokens: list[int], temperatures: li
     scaled.div_(torch.tensor(temperatures, dtype=scaled.dtype).view(-1, 1).to(device, non_blocking=True))
     tok = torch.tensor(tokens, dtype=torch.int64).view(-1, 1).to(device, non_blocking=True)
     return dict(zip(rows, torch.log_softmax(scaled, dim=-1).gather(1, tok).view(-1).exp().tolist()))
+
+
+def _take(host, i: int, ids: np.ndarray) -> np.ndarray:
+    """Row ``i``'s logits at ``ids`` from a ``_numpy_view`` (float32; bfloat16 bits widened exactly)."""
+    vals = host[0][i].take(ids)
+    return (vals.astype(np.uint32) << 16).view(np.float32) if host[1] else vals
 
 
 def _numpy_view(logits):

@@ -349,7 +349,7 @@ class Arbiter:
         return self._top is not None and len(block.tokens) == self.pos
 
     def top(self, block: DraftBlock) -> tuple[int, float]:
-        return self._top(self.i, block.mask())
+        return self.top_of(block.mask())
 
     def top_of(self, mask: np.ndarray) -> tuple[int, float]:
         return self._top(self.i, mask)
@@ -430,7 +430,7 @@ class BatchDrafter:
             return Row(req_id, None, None)
 
     def plan(self, step: Step, num_rows: int, fill: bool = False,
-             top: Callable[[int, DraftBlock], tuple[int, float]] | None = None) -> Plan:
+             top: Callable[[int, np.ndarray], tuple[int, float]] | None = None) -> Plan:
         """Each row's draft at position ``step.pos``: a host draft (the chain runs first), a model draft under the
         row's grammar (``fill``: its mask filled now, for sampled drafts; argmax drafts fill only the rows whose
         argmax the grammar rejects, in ``lazy``), or nothing of ours (no grammar: the model drafts as the host's
