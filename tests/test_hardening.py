@@ -48,6 +48,64 @@ def test_compile_time_limit_is_a_clear_error(toy_tok, limits):
     assert time.perf_counter() - t0 < 3
 
 
+def left_running(wait_s: float) -> None:
+    """Fails when some thread's stack is still in interegular's subset construction ``wait_s`` seconds on."""
+    import sys
+    import traceback
+
+    def in_interegular() -> bool:
+        return any("interegular" in f.filename for frame in sys._current_frames().values()
+                   for f in traceback.extract_stack(frame))
+
+    deadline = time.monotonic() + wait_s
+    while in_interegular():
+        assert time.monotonic() < deadline, "the abandoned DFA construction is still running"
+        time.sleep(0.05)
+
+
+def test_a_schema_pattern_with_an_exponential_dfa_is_answered_in_time(toy_tok):
+    """The certified budget reads a shortest example of each JSON Schema ``pattern`` from its DFA
+    (``budget.shortest_match``, interegular).  ``(a|b)*a(a|b){25}`` has 2^26 states: that construction ran in the
+    preparing thread with no limit (past the request's deadline, for ever); now it gets ``SHORTEST_MATCH_S`` of
+    the request's CPU and is stopped, and the request is answered (here a budget or a clear ``BudgetError``)."""
+    from specgrammar_plugins.bounds import prepare_deadline
+    from specgrammar_plugins.budget import make_budget
+    from specgrammar_plugins.errors import BudgetError
+
+    spec = ConstraintSpec.json_schema({"type": "object", "required": ["s"],
+                                       "properties": {"s": {"type": "string", "pattern": "(a|b)*a(a|b){25}"}}})
+    c = compile_constraint(spec, toy_tok, engine="llguidance", cache=None)
+    t0 = time.perf_counter()
+    try:
+        with prepare_deadline(5.0):
+            make_budget(c, 64)
+    except BudgetError as e:
+        assert "could be certified" in str(e), e
+    assert time.perf_counter() - t0 < 5
+    left_running(5)
+
+
+def test_a_pure_python_compile_past_the_limit_is_stopped_with_thread_isolation(toy_tok, limits):
+    """compile_isolation="thread" (the library default; the vLLM EngineCore's exact budget): the dfa engine's
+    compile (interegular, pure Python) of a regex with 2^25 DFA states is stopped at the limit, not left running.
+    Before, it ran on in the pool's thread for as long as the process lived, its heap growing (the vLLM launcher's
+    EngineCore: +50,000 objects in two minutes after one such request, which failed the memory test in CI).  The
+    thread leaves interegular's code, and the process can compile again at once."""
+    limits.compile_isolation = "thread"
+    limits.compile_timeout_s = 0.3
+    t0 = time.perf_counter()
+    with pytest.raises(ConstraintError, match="compile time limit.*stopped"):
+        compile_constraint(ConstraintSpec.regex("(a|b)*a(a|b){25}"), toy_tok, engine="dfa", cache=None)
+    assert time.perf_counter() - t0 < 3
+    left_running(10)
+    limits.compile_timeout_s = 30
+    c = compile_constraint(ConstraintSpec.regex("[0-9]{4}|x"), toy_tok, engine="dfa", cache=None)
+    m = c.matcher()
+    assert all(m.accept(t) for t in toy_tok.encode("2024")) and m.accept(toy_tok.eos_token_id)
+    with pytest.raises(ConstraintError, match="engine=dfa"):  # the engine's own error crosses over
+        compile_constraint(ConstraintSpec.regex("[0-9"), toy_tok, engine="dfa", cache=None)
+
+
 @pytest.mark.parametrize("engine,spec", [
     ("xgrammar", ConstraintSpec.json_schema({"enum": [f"value-{i}" for i in range(30000)]})),
     ("dfa", ConstraintSpec.regex("(a|b)*a(a|b){25}")),  # interegular builds all 2^25 states

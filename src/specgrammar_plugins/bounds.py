@@ -279,6 +279,59 @@ class Deadline:
         return child
 
 
+class Stopped(BaseException):
+    """Raised inside a ``run_stoppable`` thread to end it (a ``BaseException``: no ``except Exception`` in the
+    code it runs swallows it)."""
+
+
+class _Stoppable(threading.Thread):
+    def __init__(self, fn, deadline: Deadline):
+        super().__init__(name="specgrammar-stoppable", daemon=True)
+        self._fn, self._deadline = fn, deadline
+        self._lock = threading.Lock()
+        self._running = True
+        self.result = self.error = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            try:
+                with self._deadline.charging():
+                    self.result = self._fn()
+            except BaseException as e:  # (Stopped included: nobody waits for it any more)
+                self.error = e
+            with self._lock:
+                self._running = False
+        except Stopped:  # delivered after the work's last bytecode: the thread ends all the same
+            pass
+        self._fn = None
+        self.done.set()
+
+    def stop(self) -> None:
+        import ctypes
+
+        with self._lock:
+            if self._running and self.ident is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), ctypes.py_object(Stopped))
+
+
+def run_stoppable(fn, deadline: Deadline) -> tuple[bool, object]:
+    """Run ``fn`` (pure Python: interegular's subset construction) in a thread of its own, its CPU charged to
+    ``deadline``; ``(True, its result)``, or ``(False, None)`` once the deadline is past, the thread then stopped at
+    its next bytecode (``PyThreadState_SetAsyncExc``) instead of running on with the caller gone.  What ``fn``
+    raises is raised here.  Native code is not stopped before it returns to Python: for engines in C++ or Rust the
+    compile worker process (``compile_isolation="process"``) is the way."""
+    job = _Stoppable(fn, deadline)
+    job.start()
+    while not job.done.wait(SLICE_S):
+        if deadline.expired():
+            job.stop()
+            return False, None
+    if job.error is not None:
+        raise job.error
+    return True, job.result
+
+
 def overrun(seconds: float, part: str, *, engine: str | None = None, kind: str | None = None) -> ConstraintError:
     return ConstraintError(f"preparing this request used more than {seconds:g} s of CPU time (the preparation time "
                            f"limit, SPECGRAMMAR_PREPARE_TIMEOUT_S); the part that overran: {part}", engine=engine,
@@ -761,7 +814,7 @@ def check_text(value, where: str) -> None:
 
 
 __all__ = ["Deadline", "check_cost", "check_text", "current", "deadline", "gbnf_lengths", "gbnf_parse",
-           "gbnf_shortest", "overrun", "prepare_deadline", "process_cpu", "thread_cpu"]
+           "gbnf_shortest", "overrun", "prepare_deadline", "process_cpu", "run_stoppable", "thread_cpu"]
 
 
 # ------------------------------------------------------------------------------------------- against the budget

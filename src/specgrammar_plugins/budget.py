@@ -51,6 +51,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .bounds import deadline as current_deadline
+from .bounds import run_stoppable
 from .constraint import CompiledConstraint
 from .cost import RegularCost, _Scan, regular_form
 from .engines._common import GreedyBytes, PerTokenizerCache
@@ -247,9 +248,32 @@ FORMAT_EXAMPLES = {"date-time": "2000-01-01T00:00:00Z", "date": "2000-01-01", "t
                    "ipv4": "0.0.0.0", "ipv6": "::", "hostname": "a", "duration": "P1D"}
 
 
+SHORTEST_MATCH_S = 0.5  # CPU seconds for one pattern's DFA (a date-time format's pattern: 0.03 s)
+_SHORTEST: "OrderedDict[str, str | None]" = OrderedDict()  # pattern -> its shortest match (LRU, 1,024)
+_SHORTEST_LOCK = threading.Lock()
+
+
 def shortest_match(pattern: str, limit: int = 64) -> str | None:
     """The shortest string a regex (a JSON Schema ``pattern``) matches, by breadth-first search over its DFA
-    (interegular), preferring letters and digits per step; None when it cannot be read."""
+    (interegular), preferring letters and digits per step; None when it cannot be read, or when its DFA takes more
+    than ``SHORTEST_MATCH_S`` of the request's CPU (``(a|b)*a(a|b){25}``: 2^26 states; the construction is stopped,
+    issue 33: before, it ran on without end in the preparing thread, past the request's deadline)."""
+    with _SHORTEST_LOCK:
+        if pattern in _SHORTEST:
+            _SHORTEST.move_to_end(pattern)
+            return _SHORTEST[pattern]
+    d = current_deadline()
+    share = min(SHORTEST_MATCH_S, d.cpu_left())
+    out = _shortest_match(pattern, limit, d.part(share))
+    if out is not None or share >= SHORTEST_MATCH_S:  # (not an overrun of a share cut short by this request)
+        with _SHORTEST_LOCK:
+            _SHORTEST[pattern] = out
+            while len(_SHORTEST) > 1024:
+                _SHORTEST.popitem(last=False)
+    return out
+
+
+def _shortest_match(pattern: str, limit: int, deadline) -> str | None:
     import interegular
     from interegular.fsm import anything_else
 
@@ -257,8 +281,10 @@ def shortest_match(pattern: str, limit: int = 64) -> str | None:
     if body.endswith("$") and not body.endswith("\\$"):
         body = body[:-1]
     try:
-        fsm = interegular.parse_pattern(body).to_fsm()
+        done, fsm = run_stoppable(lambda: interegular.parse_pattern(body).to_fsm(), deadline)
     except Exception:
+        return None
+    if not done:
         return None
     chars: dict[int, str] = {}
     for c, sym in sorted(fsm.alphabet._symbol_mapping.items(), key=lambda kv: (str(kv[0]) if kv[0] is not anything_else

@@ -117,7 +117,8 @@ class Limits:
     - ``"process"``: the compile runs in a worker process (``compile_worker``), which is killed at the limit: the
       CPU and memory it used are given back at once.  The mlx-lm server plugin turns this on.
     - ``"thread"`` (the library default): the compile runs in a thread; native code cannot be interrupted, so
-      the thread finishes in the background and its result is dropped.
+      the thread finishes in the background and its result is dropped; a pure-Python engine's compile (dfa:
+      ``interruptible``) is stopped at the limit instead (``bounds.run_stoppable``).
 
     llguidance always compiles in-process: its own fuel limits bound every compile and mask (its lexer fuel per
     step: ``SPECGRAMMAR_LLGUIDANCE_STEP_FUEL``, 5M, see ``engines/llguidance_engine.py``).
@@ -154,6 +155,8 @@ def _compile_with_timeout(eng, spec, tokenizer, options, timeout: float, deadlin
         return POOL.compile(eng, spec, tokenizer, options, timeout, deadline=deadline)
     # a thread: the "thread" setting, or an engine with limits of its own (llguidance) under "process", which
     # compiles in-process by design (it used to fall through to the error above: "got 'process'")
+    if getattr(eng, "interruptible", False):
+        return _compile_stoppable(eng, spec, tokenizer, options, timeout, deadline)
     if _POOL is None:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -183,6 +186,25 @@ def _compile_with_timeout(eng, spec, tokenizer, options, timeout: float, deadlin
                 raise ConstraintError(f"compiling used more than {deadline.seconds:g} s of CPU or "
                                       f"{deadline.wall_seconds:g} s of wall-clock time (the compile time limit); "
                                       "abandoned", engine=getattr(eng, "name", None), kind=spec.kind) from None
+
+
+def _compile_stoppable(eng, spec, tokenizer, options, timeout: float | None, deadline=None):
+    """``_compile_with_timeout`` for an engine whose compile is pure Python (``interruptible = True``: the dfa
+    engine, interegular's subset construction): past the limit the compile is stopped (``bounds.run_stoppable``),
+    not left running.  Before, an abandoned compile ran on in the shared pool: ``(a|b)*a(a|b){25}`` (2^26 DFA
+    states) in the vLLM EngineCore's exact budget kept a core busy and its heap growing for as long as the server
+    lived (50,000 objects in two minutes), and four such requests would have taken every thread of the pool
+    (issue 33)."""
+    from .bounds import Deadline, run_stoppable
+
+    limit = deadline if deadline is not None else Deadline(timeout, timeout)
+    done, result = run_stoppable(lambda: eng.compile(spec, tokenizer, options), limit)
+    if not done:
+        what = (f"used more than {deadline.seconds:g} s of CPU or {deadline.wall_seconds:g} s of wall-clock time"
+                if deadline is not None else f"took longer than {timeout:g} s")
+        raise ConstraintError(f"compiling {what} (the compile time limit); stopped",
+                              engine=getattr(eng, "name", None), kind=spec.kind)
+    return result
 
 
 # The engine policy ``engine="auto"``: per constraint kind, the engines to try in order (first that

@@ -344,6 +344,7 @@ class DFAMatcher:
 class DFAEngine:
     name = "dfa"
     isolate = True  # interegular builds the whole DFA: a worker process probes it under compile_isolation
+    interruptible = True  # pure Python: under "thread", a compile past its limit is stopped (compiler._StoppableCompile)
 
     def compile(self, spec: ConstraintSpec, tokenizer: TokenizerInfo, options: dict) -> CompiledConstraint:
         pattern = spec.as_regex()
