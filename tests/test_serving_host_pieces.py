@@ -52,6 +52,8 @@ def test_a_launcher_takes_its_own_options_out_of_the_command_line():
                               ("--grammar-spec", "--grammar-draft"))
     assert rest == ["m", "--port", "1"] and ours == {"--grammar-spec": "4", "--grammar-draft": "ドラフト"}
     assert take_options(["--grammar-specx", "1"], ("--grammar-spec",)) == (["--grammar-specx", "1"], {})
+    with pytest.raises(ValueError, match="--grammar-draft needs a value"):  # (was an IndexError)
+        take_options(["m", "--grammar-draft"], ("--grammar-spec", "--grammar-draft"))
 
 
 def test_an_environment_switch_is_on_unless_turned_off(monkeypatch):

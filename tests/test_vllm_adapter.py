@@ -242,6 +242,11 @@ def test_launcher_arguments_and_version_shim(monkeypatch):
     assert "--no-async-scheduling" not in serve.build_argv(["m", "--grammar-spec", "4"])  # custom_class: vLLM does it
     with pytest.raises(SystemExit):
         serve.build_argv(["m", "--grammar-draft", "D"])
+    for bad, said in ((["m", "--grammar-spec"], "--grammar-spec needs a value"),  # (were tracebacks)
+                      (["m", "--grammar-spec", "четыре"], "takes a positive integer K.*'четыре'"),
+                      (["m", "--grammar-spec=0"], "takes a positive integer K")):
+        with pytest.raises(SystemExit, match=said):
+            serve.build_argv(bad)
     monkeypatch.setattr(metadata, "version", metadata.version)
     serve.install_version_shim()
     try:

@@ -264,7 +264,14 @@ def resolve_model_names(argv: list[str]) -> list[str]:
 def build_argv(argv: list[str]) -> list[str]:
     """Our options -> vLLM's: ``--grammar-spec K [--grammar-draft PATH]`` becomes a ``--speculative-config``;
     ``--no-async-scheduling`` is added for a draft model unless async scheduling is set either way."""
-    out, ours = take_options(argv, OURS)
+    try:
+        out, ours = take_options(argv, OURS)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if "--grammar-spec" in ours:
+        k = ours["--grammar-spec"]
+        if not (k.isascii() and k.isdigit() and int(k) >= 1):  # (was a ValueError traceback from int())
+            raise SystemExit(f"--grammar-spec K takes a positive integer K (draft tokens per step), got {k!r}")
     out = resolve_model_names(out)
     if "--grammar-draft" in ours:
         ours["--grammar-draft"] = _folder(ours["--grammar-draft"])

@@ -795,7 +795,8 @@ def json_option(argv: list[str], name: str, *keys: str):
 
 def take_options(argv: list[str], names) -> tuple[list[str], dict[str, str]]:
     """A command line split into (the rest, {name: value}) for the options ``names`` (``name VALUE`` or
-    ``name=VALUE``; a later one wins), which a launcher handles itself before handing the rest on."""
+    ``name=VALUE``; a later one wins), which a launcher handles itself before handing the rest on.  ``ValueError``
+    when one of them ends the line with no value."""
     rest: list[str] = []
     taken: dict[str, str] = {}
     i = 0
@@ -806,6 +807,8 @@ def take_options(argv: list[str], names) -> tuple[list[str], dict[str, str]]:
             rest.append(a)
             i += 1
         elif a == name:
+            if i + 1 == len(argv):  # (was an IndexError out of the launcher)
+                raise ValueError(f"{name} needs a value")
             taken[name] = argv[i + 1]
             i += 2
         else:
