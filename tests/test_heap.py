@@ -110,3 +110,46 @@ def test_again_collects_and_trims_what_was_freed_after_the_costly_trim():
         assert heap.give_back(slack=1 << 40, again=True) == 0  # once only
     finally:
         gc.enable()
+
+
+class _Grammar:
+    """A costly request's grammar: blocks freed when it is (no cycle)."""
+
+    def __init__(self, ptrs):
+        self.ptrs = ptrs
+
+    def __del__(self):
+        libc = ctypes.CDLL(None)
+        libc.free.argtypes = [ctypes.c_void_p]
+        for p in self.ptrs:
+            libc.free(p)
+
+
+def test_a_costly_requests_grammar_is_trimmed_away_when_it_is_freed():
+    """``serving.trim_when_freed`` (vLLM's EngineCore after a costly compile): the request frees its grammars
+    after the compile's own trim, when it ends; the heap is trimmed as each is freed, with no other call."""
+    from specgrammar_plugins.serving import trim_when_freed
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    held: list = []
+
+    def build():  # in a thread's arena; the last block pins the heap's top
+        ptrs = [libc.malloc(BLOCK) for _ in range(BLOCKS + 1)]
+        for p in ptrs:
+            ctypes.memset(p, 1, BLOCK)
+        held.append(_Grammar(ptrs[:-1]))
+        _kept.append(ptrs[-1])
+
+    heap.give_back(slack=0)
+    before = heap.rss_bytes()
+    t = threading.Thread(target=build)
+    t.start()
+    t.join()
+    heap.give_back(slack=32 << 20)  # the compile's own trim: the grammar is still held
+    assert heap.rss_bytes() - before > 100 << 20
+    assert trim_when_freed(held[0], None, 1) == 1  # (None and an int cannot be watched)
+    trims = heap.TRIMS
+    held.clear()  # the request ends
+    assert heap.TRIMS == trims + 1
+    assert heap.rss_bytes() - before < 32 << 20

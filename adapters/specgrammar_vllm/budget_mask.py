@@ -209,9 +209,10 @@ def grammar_tokenizer(hf, vocab_size: int, engine: str):
     return engine_tokenizer(hf, vocab_size, engine, log)
 
 
-def build(manager, request):
+def build(manager, request, made: list | None = None):
     """The request's core ``Budget`` (None: no constraint we map, no max_tokens, or the mask is off); raises
-    ``BudgetError`` when the shortest completion does not fit."""
+    ``BudgetError`` when the shortest completion does not fit.  ``made``: our compiled constraint is appended to it
+    (``_create_grammar`` watches it after a costly compile)."""
     from specgrammar_plugins.api import SpecOptions, row_budget, with_stops
 
     from .structured import ENGINES, compile_as_enforced, engine_options, spec_from_params
@@ -233,6 +234,8 @@ def build(manager, request):
     # ignored here too; before, such a request had no budget and was cut off, 2 of the 7 schemas vLLM answered
     # in `bench real`)
     compiled, _ = compile_as_enforced(spec, tok, engine, options)
+    if made is not None:
+        made.append(compiled)
     return row_budget(compiled, SpecOptions(), int(sp.max_tokens), FAR)  # (its tables made here, not in the step)
 
 
@@ -254,7 +257,7 @@ def bound_compile_cache() -> None:
     cap_compile_cache(limit)
 
 
-def _drop_costly(manager, before: int | None) -> None:
+def _drop_costly(manager, before: int | None) -> bool:
     """After a compile that grew the EngineCore's heap past the trim slack (``api.drop_costly``: 64 MB; a
     20,000-option choice grew it ~260 MB), both compile caches of the engine are emptied: ours (by ``drop_costly``)
     and vLLM's xgrammar cache, because xgrammar 0.2.8's ``GrammarCompiler`` holds more than it counts against
@@ -266,16 +269,19 @@ def _drop_costly(manager, before: int | None) -> None:
     from specgrammar_plugins.api import drop_costly
 
     grew = drop_costly(before)
+    if grew is None:
+        return False
     clear = getattr(getattr(getattr(manager, "backend", None), "compiler", None), "clear_cache", None)
-    if grew is None or clear is None:
-        return
+    if clear is None:
+        return True
     try:
         clear()
     except Exception as e:  # (never the request's failure)
         log.warning("specgrammar: could not empty vLLM's xgrammar cache (%s: %s)", type(e).__name__, e)
-        return
+        return True
     _count_locked("costly_cache_drops")
     log.info("specgrammar: a grammar compile grew the engine's heap by %d MB: the compile caches emptied", grew >> 20)
+    return True
 
 
 def wrap_create_grammar(cls) -> None:
@@ -288,24 +294,28 @@ def wrap_create_grammar(cls) -> None:
         return
 
     def _create_grammar(self, request):
-        from specgrammar_plugins.api import give_back_memory, rss_bytes
+        from specgrammar_plugins.api import give_back_memory, rss_bytes, trim_when_freed
 
         bound_compile_cache()
         before = rss_bytes()
+        made: list = []  # (our compiled constraint, which the request's budget and drafts hold)
+        grammar = None
         try:
-            return _budgeted(self, request)
+            grammar = _budgeted(self, request, made)
+            return grammar
         finally:
-            _drop_costly(self, before)
+            if _drop_costly(self, before):  # the heap is trimmed again as the request lets go of each grammar
+                trim_when_freed(grammar, *made)
             give_back_memory(again=True)
 
-    def _budgeted(self, request):
+    def _budgeted(self, request, made: list):
         grammar = orig(self, request)
         if not enabled():
             return grammar
         from specgrammar_plugins.api import BudgetError
 
         try:
-            budget = build(self, request)
+            budget = build(self, request, made)
         except BudgetError as e:  # the launcher's gate refuses it first (400); offline the request fails here
             if e.shortest is None:  # nothing certified for vLLM's form of the grammar (its EBNF: no GBNF
                 # shortest-string certificate, and the greedy walk found no end): served as before, without the

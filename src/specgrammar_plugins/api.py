@@ -45,7 +45,8 @@ contract (``pyproject.toml``, ``[tool.importlinter]``) lets adapters import this
   ``model_vocab_size`` / ``sampling_params`` / ``encode_prompt`` (a Hugging Face tokenizer's requests),
   ``wait_for``, ``widen_listen_backlog``, ``logged``; ``server_compiles`` (a server's compiles in a killable
   worker), ``Warmup`` (a server's one-time set-up, waited for outside a request's deadline), ``drop_costly`` (our
-  compile cache emptied after work that grew the heap past the trim slack), ``cap_compile_cache`` (our compile
+  compile cache emptied after work that grew the heap past the trim slack), ``trim_when_freed`` (the heap trimmed
+  again as a costly request's grammars are freed), ``cap_compile_cache`` (our compile
   cache bounded as the host's engine bounds its own); ``row_budget`` (a budget for mask rows, its tables made off
   the host's step); ``row_mask`` (a row's mask for a host's own sampler: the
   grammar with its budget, exact or ``RowCut``, else stop tokens only), ``RowCut.lost_now`` / ``LOST_MIDWAY`` (a
@@ -92,7 +93,7 @@ from .serving import (PromptCounter, RequestPlan, RowCut, RowPlan, ServedRow, co
                       plan_options, sampling_params, served_names, stop_ids, tokenizer_info, wait_for,
                       widen_listen_backlog, LOST_MIDWAY, cap_compile_cache, compile_as_enforced, folder_tokenizer,
                       json_option, load_pack, option_value, option_values, row_budget, row_mask, switch_on,
-                      take_options, without_strict)
+                      take_options, trim_when_freed, without_strict)
 from .speculation import budget_of, check_budget, make_drafter, make_loop, with_defaults
 from .tokenizer import TokenizerInfo
 from .unidiff import FilePatch, Hunk, PatchError, apply as apply_diff, parse_diff, state as diff_state
@@ -112,7 +113,7 @@ __all__ = [
     "sync_runner", "unpack_mask", "verify_block",
     "with_defaults",
     "PromptCounter", "RequestPlan", "RowCut", "RowPlan", "ServedRow", "compile_for", "engine_tokenizer",
-    "model_vocab_size", "plan_request", "tokenizer_facts", "with_stops", "Warmup", "drop_costly",
+    "model_vocab_size", "plan_request", "tokenizer_facts", "with_stops", "Warmup", "drop_costly", "trim_when_freed",
     "server_compiles", "draft_k", "encode_prompt", "logged",
     "plan_options", "sampling_params", "served_names", "stop_ids", "tokenizer_info", "wait_for", "widen_listen_backlog",
     "LOST_MIDWAY", "cap_compile_cache", "compile_as_enforced", "folder_tokenizer", "json_option", "option_value",

@@ -50,6 +50,7 @@ def rss_bytes() -> int | None:
 
 _mark = rss_bytes()  # the RSS after the last trim (or at import), lowered whenever the RSS is found below it
 _pending = False  # a trim ran with ``again``: the next ``give_back(again=True)`` collects and trims once more
+TRIMS = 0  # the trims ``trim`` ran (a count for tests and logs)
 
 
 def give_back(slack: int | None = None, *, again: bool = False) -> int:
@@ -85,4 +86,23 @@ def give_back(slack: int | None = None, *, again: bool = False) -> int:
         _LOCK.release()
 
 
-__all__ = ["SLACK", "give_back", "rss_bytes"]
+def trim() -> int:
+    """``malloc_trim(0)`` now, whatever the growth (unless another thread is trimming); the bytes of RSS it gave
+    back.  For what is freed after the costly work's own trim: a costly request's grammar, freed when the request
+    ends (``serving.trim_when_freed``)."""
+    global _mark, TRIMS
+    if _TRIM is None or not _LOCK.acquire(blocking=False):
+        return 0
+    try:
+        rss = rss_bytes()
+        _TRIM(0)
+        TRIMS += 1
+        after = rss_bytes()
+        if after is not None:
+            _mark = after
+        return max(0, rss - after) if rss is not None and after is not None else 0
+    finally:
+        _LOCK.release()
+
+
+__all__ = ["SLACK", "give_back", "rss_bytes", "trim"]

@@ -656,6 +656,28 @@ def drop_costly(before: int | None) -> int | None:
     return after - before
 
 
+def trim_when_freed(*objs) -> int:
+    """After a costly compile (``drop_costly``): the heap is trimmed (``heap.trim``) as each of ``objs`` (the
+    request's grammars: the host's and ours) is freed, since what the request holds is freed after the compile's own
+    trim, when the request ends; how many are watched (None and objects without weak references are skipped).  In
+    vLLM's EngineCore the 20,000-option choice's grammars were freed only after the next request's compile had
+    trimmed, and glibc kept the ~50 MB until another trim (issue 33)."""
+    import weakref
+
+    from .heap import trim
+
+    n = 0
+    for obj in objs:
+        if obj is None:
+            continue
+        try:
+            weakref.finalize(obj, trim)
+        except TypeError:
+            continue
+        n += 1
+    return n
+
+
 LISTEN_BACKLOG = 128
 
 
