@@ -64,6 +64,26 @@ def test_a_preparation_gives_back_what_it_freed():
     assert heap.rss_bytes() - before < heap.SLACK
 
 
+def _held_in_a_thread(cls) -> list:
+    """~150 MB of blocks malloc'd and touched in a thread's arena, held by one ``cls(blocks)`` (in the returned
+    list); a last block, kept, pins the heap's top."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    held: list = []
+
+    def build():
+        ptrs = [libc.malloc(BLOCK) for _ in range(BLOCKS + 1)]
+        for p in ptrs:
+            ctypes.memset(p, 1, BLOCK)
+        held.append(cls(ptrs[:-1]))
+        _kept.append(ptrs[-1])
+
+    t = threading.Thread(target=build)
+    t.start()
+    t.join()
+    return held
+
+
 class _Held:
     """Blocks a costly request built, held in a reference cycle (freed only by a full collection)."""
 
@@ -82,24 +102,11 @@ def test_again_collects_and_trims_what_was_freed_after_the_costly_trim():
     heap collects cycles and trims, though the heap did not grow since; without ``again`` nothing runs."""
     import gc
 
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype = ctypes.c_void_p
-    held: list = []
-
-    def build():  # in a thread's arena; the last block pins the heap's top
-        ptrs = [libc.malloc(BLOCK) for _ in range(BLOCKS + 1)]
-        for p in ptrs:
-            ctypes.memset(p, 1, BLOCK)
-        held.append(_Held(ptrs[:-1]))
-        _kept.append(ptrs[-1])
-
     gc.disable()
     try:
         heap.give_back(slack=0)
         before = heap.rss_bytes()
-        t = threading.Thread(target=build)
-        t.start()
-        t.join()
+        held = _held_in_a_thread(_Held)
         assert heap.rss_bytes() - before > 100 << 20
         heap.give_back(slack=32 << 20, again=True)  # the costly request's own trim: its blocks are still held
         held.clear()  # the request ends: its blocks are garbage in a cycle, not yet freed
@@ -130,22 +137,9 @@ def test_a_costly_requests_grammar_is_trimmed_away_when_it_is_freed():
     after the compile's own trim, when it ends; the heap is trimmed as each is freed, with no other call."""
     from specgrammar_plugins.serving import trim_when_freed
 
-    libc = ctypes.CDLL(None)
-    libc.malloc.restype = ctypes.c_void_p
-    held: list = []
-
-    def build():  # in a thread's arena; the last block pins the heap's top
-        ptrs = [libc.malloc(BLOCK) for _ in range(BLOCKS + 1)]
-        for p in ptrs:
-            ctypes.memset(p, 1, BLOCK)
-        held.append(_Grammar(ptrs[:-1]))
-        _kept.append(ptrs[-1])
-
     heap.give_back(slack=0)
     before = heap.rss_bytes()
-    t = threading.Thread(target=build)
-    t.start()
-    t.join()
+    held = _held_in_a_thread(_Grammar)
     heap.give_back(slack=32 << 20)  # the compile's own trim: the grammar is still held
     assert heap.rss_bytes() - before > 100 << 20
     assert trim_when_freed(held[0], None, 1) == 1  # (None and an int cannot be watched)
