@@ -294,16 +294,24 @@ class _Stoppable(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
+        import ctypes
+
         try:
             try:
                 with self._deadline.charging():
                     self.result = self._fn()
             except BaseException as e:  # (Stopped included: nobody waits for it any more)
                 self.error = e
-            with self._lock:
-                self._running = False
-        except Stopped:  # delivered after the work's last bytecode: the thread ends all the same
+        except Stopped:  # delivered in the handler above
             pass
+        while True:  # the flag down (no more sent) and none pending, whatever arrives meanwhile
+            try:
+                with self._lock:
+                    self._running = False
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), None)  # (clears)
+                break
+            except Stopped:
+                continue
         self._fn = None
         self.done.set()
 
@@ -313,6 +321,14 @@ class _Stoppable(threading.Thread):
         with self._lock:
             if self._running and self.ident is not None:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), ctypes.py_object(Stopped))
+
+    def halt(self, seconds: float = 30.0) -> None:
+        """``stop`` until the thread has ended (or ``seconds`` pass): an exception raised inside a gc callback that
+        runs in the thread (hypothesis installs one) is reported as unraisable and lost, and the work went on."""
+        end = time.monotonic() + seconds
+        while not self.done.is_set() and time.monotonic() < end:
+            self.stop()
+            self.done.wait(0.01)
 
 
 def run_stoppable(fn, deadline: Deadline) -> tuple[bool, object]:
@@ -326,6 +342,8 @@ def run_stoppable(fn, deadline: Deadline) -> tuple[bool, object]:
     while not job.done.wait(SLICE_S):
         if deadline.expired():
             job.stop()
+            if not job.done.wait(0.01):  # (the exception may have been lost: stopped again until it ends)
+                threading.Thread(target=job.halt, name="specgrammar-stopping", daemon=True).start()
             return False, None
     if job.error is not None:
         raise job.error
