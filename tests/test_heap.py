@@ -84,17 +84,25 @@ def _held_in_a_thread(cls) -> list:
     return held
 
 
-class _Held:
-    """Blocks a costly request built, held in a reference cycle (freed only by a full collection)."""
+class _Grammar:
+    """A costly request's grammar: blocks freed when it is (no cycle)."""
 
     def __init__(self, ptrs):
-        self.ptrs, self.me = ptrs, self
+        self.ptrs = ptrs
 
     def __del__(self):
         libc = ctypes.CDLL(None)
         libc.free.argtypes = [ctypes.c_void_p]
         for p in self.ptrs:
             libc.free(p)
+
+
+class _Held(_Grammar):
+    """Blocks a costly request built, held in a reference cycle (freed only by a full collection)."""
+
+    def __init__(self, ptrs):
+        super().__init__(ptrs)
+        self.me = self
 
 
 def test_again_collects_and_trims_what_was_freed_after_the_costly_trim():
@@ -118,18 +126,6 @@ def test_again_collects_and_trims_what_was_freed_after_the_costly_trim():
     finally:
         gc.enable()
 
-
-class _Grammar:
-    """A costly request's grammar: blocks freed when it is (no cycle)."""
-
-    def __init__(self, ptrs):
-        self.ptrs = ptrs
-
-    def __del__(self):
-        libc = ctypes.CDLL(None)
-        libc.free.argtypes = [ctypes.c_void_p]
-        for p in self.ptrs:
-            libc.free(p)
 
 
 def test_a_costly_requests_grammar_is_trimmed_away_when_it_is_freed():
