@@ -402,3 +402,55 @@ def test_a_deeply_nested_free_value_keeps_its_certificate(tok, engine):
         cert = g._certs[-1]
         assert cert is not None, f"no certificate after {_text(tok, prefix[:i])!r}"
     assert _validator(schema)(_text(tok, [*prefix, *cert])), _text(tok, [*prefix, *cert])
+
+
+def test_the_certified_walk_ends_a_grammar_that_is_not_json(tok):
+    """Every token of the SQL workload's answers fits a certified budget of 64 tokens along the way: the start
+    needs 6.  Before, the walk (its order of preference made for JSON) went on with digits after an identifier, no
+    certificate was found for ``SELECT * FROM`` + `` users``, the token was struck, and greedy SmolLM2 under the
+    certified bound wrote ``SELECT * FROM urn_users_by_age_filter_by_age_filter...`` (issue 32)."""
+    from specgrammar_plugins import workloads as W
+
+    c = compile_constraint(W.constraint("sql"), tok, engine="xgrammar", cache=None)
+    b = CertifiedBudget(c, 64)
+    assert b.shortest <= 8
+    struck = []
+    for ex in W.examples("sql", "eval", 8):
+        ids = list(tok.encode(ex.reference))
+        for i, t in enumerate(ids):
+            if not b.feasible(ids[:i], t):
+                struck.append((ex.reference, tok.decode(ids[:i + 1]).decode("utf-8", "replace")))
+    assert not struck, struck[:3]
+
+
+def test_an_exact_budget_that_ran_out_of_time_once_is_tried_again(tok, monkeypatch):
+    """One request whose exact bound overran (under load) no longer sends every later request of the process to
+    the certified bound; a second overrun does (a constraint that always overruns costs its share twice, not at
+    every request).  The overrun is a real one of the request's deadline: the exact bound's build is made to spin
+    on its share of it."""
+    from specgrammar_plugins import budget as B
+    from specgrammar_plugins.bounds import prepare_deadline
+
+    c = compile_constraint(ConstraintSpec.regex(r"[a-z]{3}-[0-9]{2}(x|y)+"), tok, engine="xgrammar", cache=None)
+    key = (B.exact_pattern(c), tok.fingerprint, tok.vocab_size)
+    B._NOT_EXACT.pop(key, None)
+    real = B.ExactBudget
+
+    class Spinning(real):
+        def __init__(self, compiled, budget, pattern, deadline=None):
+            while True:
+                deadline.check("spinning")
+
+    def mode(spin: bool) -> str:
+        monkeypatch.setattr(B, "ExactBudget", Spinning if spin else real)
+        with prepare_deadline(0.4):
+            return make_budget(c, 64).mode
+
+    try:
+        assert mode(spin=True) == "certified"  # out of its time once
+        assert mode(spin=False) == "exact"  # tried again, in time
+        assert mode(spin=True) == "certified"
+        assert mode(spin=True) == "certified"  # out of its time twice:
+        assert mode(spin=False) == "certified"  # not tried again
+    finally:
+        B._NOT_EXACT.pop(key, None)
