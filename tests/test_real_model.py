@@ -109,8 +109,9 @@ def test_smollm2_resolves_to_the_gguf_for_llama_cpp(gguf):
 
 
 def test_a_current_folder_is_reused_and_a_stale_one_is_not(gguf, tmp_path, monkeypatch):
-    """The stamp decides: a folder stamped for this GGUF is returned as is (no conversion); one stamped for a GGUF
-    of another size or mtime, or by another converter version, is not current."""
+    """The stamp decides: a folder stamped for this GGUF's content is returned as is (no conversion), whatever path
+    it was converted from (another virtual environment's copy of the same file); one stamped for a GGUF of another
+    size or content, or by another converter version, is not current."""
     monkeypatch.setenv("SPECGRAMMAR_CACHE", str(tmp_path))
     folder = real.smollm2_folder_path()
     assert folder.parent == tmp_path and not real.smollm2_converted()
@@ -119,8 +120,9 @@ def test_a_current_folder_is_reused_and_a_stale_one_is_not(gguf, tmp_path, monke
     stamp = real._source_stamp(gguf)
     (folder / real.STAMP).write_text(json.dumps(stamp))
     assert real.smollm2_converted() and real.smollm2_hf_folder(progress=False) == folder
-    for key, other in (("size", stamp["size"] + 1), ("mtime_ns", stamp["mtime_ns"] - 1),
-                       ("converter", real.CONVERTER_VERSION + 1)):
+    (folder / real.STAMP).write_text(json.dumps({**stamp, "source": "/elsewhere/.venv/SmolLM2.gguf", "mtime_ns": 1}))
+    assert real.smollm2_converted()
+    for key, other in (("size", stamp["size"] + 1), ("sha256", "0" * 64), ("converter", real.CONVERTER_VERSION + 1)):
         (folder / real.STAMP).write_text(json.dumps({**stamp, key: other}))
         assert not real.smollm2_converted(), key
     (folder / real.STAMP).unlink()

@@ -25,6 +25,7 @@ unchanged; an unknown name is an ``UnknownModelError`` listing the known names.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -90,9 +91,28 @@ def smollm2_folder_path() -> Path:
     return cache_dir() / SMOLLM2
 
 
+_IDENTITY = ("size", "sha256", "converter")  # what makes a converted folder current; "source" is for the reader
+_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime) -> sha256: hashed once per process (98 MB: ~0.3 s)
+
+
+def _digest(gguf: Path, st) -> str:
+    key = (str(gguf.resolve()), st.st_size, st.st_mtime_ns)
+    d = _DIGESTS.get(key)
+    if d is None:
+        h = hashlib.sha256()
+        with open(gguf, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        d = _DIGESTS[key] = h.hexdigest()
+    return d
+
+
 def _source_stamp(gguf: Path) -> dict:
+    """The GGUF a folder was converted from, by content: two virtual environments (two clones of this project)
+    install the same file at two paths, and a stamp by path and mtime made each convert the shared folder again
+    whenever the other had (and replace it under a process that was loading it)."""
     st = gguf.stat()
-    return {"source": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+    return {"source": str(gguf.resolve()), "size": st.st_size, "sha256": _digest(gguf, st),
             "converter": CONVERTER_VERSION}
 
 
@@ -107,7 +127,7 @@ def _is_current(folder: Path, stamp: dict) -> bool:
     have = _read_stamp(folder)
     if have is None or (folder / "config.json").is_file() is False:
         return False
-    return all(have.get(k) == v for k, v in stamp.items())
+    return all(have.get(k) == stamp.get(k) for k in _IDENTITY)
 
 
 def smollm2_converted() -> bool:
