@@ -722,15 +722,15 @@ class CertifiedBudget(Budget):
                 return [min(allowed, key=lambda t: used.get(t, 0))]
         elif not self.json:  # a grammar that is not JSON: a byte after which it may end, else the closers first
             allowed = allowed_among(row, self._vocab.prefer_plain)
+            firsts = [t for t in allowed[:len(self._vocab.plain_first)] if t in self._vocab.plain_first]
+            # (and whitespace: a line ends a list item, ``item ::= "- " [^\n]+ "\n"``)
+            for t in [*firsts, *(b for b in self.blanks if mask_allows(row, b))]:
+                g = f.fork()
+                if g.accept(t):
+                    g.fill_mask(self._probe)
+                    if any(mask_allows(self._probe, e) for e in self.stops if e < self.tok.vocab_size):
+                        return [t]
             if allowed:
-                for t in allowed:
-                    if t not in self._vocab.plain_first:
-                        break
-                    g = f.fork()
-                    if g.accept(t):
-                        g.fill_mask(self._probe)
-                        if any(mask_allows(self._probe, e) for e in self.stops if e < self.tok.vocab_size):
-                            return [t]
                 if used.get(allowed[0], 0) >= 8 and len(allowed) > 1:  # the first choice again and again: the
                     return [min(allowed, key=lambda t: used.get(t, 0))]  # least used
                 return [allowed[0]]
