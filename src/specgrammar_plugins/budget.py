@@ -1133,10 +1133,7 @@ def make_budget(compiled: CompiledConstraint | None, budget: int | None, *, exac
             guard = None   # instead, and do not try this pattern again (bounded); out of its time, only the
             # second time: one request that overran under load (the SQL workload's graph at 49,152 tokens takes
             # 1.6 s of the 2.5 s share) sent every later request of the process to the certified bound
-            if part.expired() is None or _NOT_EXACT.get(nkey, 0) >= 1:
-                _NOT_EXACT[nkey] = 2
-            else:
-                _NOT_EXACT[nkey] = 1
+            _NOT_EXACT[nkey] = 2 if part.expired() is None else _NOT_EXACT.get(nkey, 0) + 1
             while len(_NOT_EXACT) > 1024:
                 _NOT_EXACT.popitem(last=False)
     if guard is None and exact_only:

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..constraint import CompiledConstraint, ConstraintSpec, Forced
 from ..masks import mask_allows, mask_words
+from ..prefix import common_prefix_len
 from ..errors import ConstraintError
 from ..tokenizer import TokenizerInfo
 
@@ -134,15 +135,7 @@ class _Vocab:
 
     def __post_init__(self):
         if self.lcp is None:
-            self.lcp = [0] + [_common(a, b) for a, b in zip(self.keys, self.keys[1:])]
-
-
-def _common(a: bytes, b: bytes) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+            self.lcp = [0] + [common_prefix_len(a, b) for a, b in zip(self.keys, self.keys[1:])]
 
 
 _vocab_cache: dict[str, _Vocab] = {}
