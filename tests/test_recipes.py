@@ -367,3 +367,22 @@ def test_copy_recipes_draft_values_from_the_prompt(toy_tok):
     back = RecipePack.from_dict(json.loads(pack.to_json_bytes()), tokenizer=tok)
     assert back.lookup(ctx) == run
     assert merge(pack, back).lookup(ctx)[0] == COPY
+
+
+def test_cli_build_answers_under_the_offline_deadline(tmp_path, monkeypatch):
+    """``recipes build`` learns from the model's own answers whatever the machine's load: each request's preparation
+    deadline is the offline one (a server's 5 s let a loaded machine's certified bound shape the sql pack's
+    answers), unless SPECGRAMMAR_PREPARE_TIMEOUT_S names one."""
+    from specgrammar_plugins.bounds import BOUNDS
+    from specgrammar_plugins.recipes_cli import OFFLINE_PREPARE_S, main
+
+    monkeypatch.setattr(BOUNDS, "prepare_timeout_s", 5.0)
+    monkeypatch.delenv("SPECGRAMMAR_PREPARE_TIMEOUT_S", raising=False)
+    out = tmp_path / "year.json"
+    assert main(["build", "-w", "year", "-n", "1", "-k", "1", "--max-tokens", "8", "-o", str(out), "-q"]) == 0
+    assert RecipePack.load(out).meta["workloads"] == ["year"]
+    assert BOUNDS.prepare_timeout_s == OFFLINE_PREPARE_S
+    monkeypatch.setattr(BOUNDS, "prepare_timeout_s", 5.0)
+    monkeypatch.setenv("SPECGRAMMAR_PREPARE_TIMEOUT_S", "5")  # the operator's own limit is kept
+    assert main(["build", "-w", "year", "-n", "1", "-k", "1", "--max-tokens", "8", "-o", str(out), "-q"]) == 0
+    assert BOUNDS.prepare_timeout_s == 5.0
