@@ -369,6 +369,38 @@ def test_copy_recipes_draft_values_from_the_prompt(toy_tok):
     assert merge(pack, back).lookup(ctx)[0] == COPY
 
 
+def test_number_copies_draft_the_prompts_number_where_the_answer_opens_with_it(toy_tok):
+    """An answer that opens with the request's number has no context to anchor a copy on (``copy_source``), and the
+    training answers' digits agree on a literal run (five of six years begin with "1"): the pack learns a number
+    copy there instead (``COPY_NUMBER``: the prompt's longest digit run, not the shorter count after it), and the
+    drafter proposes the new request's year, "2005".  The run survives the file format and merging, and drafting
+    with it keeps greedy output equal to plain decoding."""
+    tok = toy_tok
+    from specgrammar_plugins.block import DraftBlock
+    from specgrammar_plugins.recipes import COPY_NUMBER, number_source
+
+    samples = [Sample(tuple(tok.encode(f"in {y} for {n} k.")), tuple(tok.encode(y)) + (tok.eos_token_id,))
+               for y, n in (("1938", "41"), ("1851", "7"), ("1902", "66"), ("1777", "12"), ("1969", "3"),
+                            ("2015", "90"))]
+    pack = build(samples, tok, min_count=2)
+    assert pack.stats()["copy_number"] >= 1
+    prompt = tok.encode("in 2005 for 41 k.")
+    assert tok.decode(prompt[number_source(prompt, class_table(tok.token_bytes, tok.vocab_size)):]).startswith(b"2005")
+    run = pack.lookup(prompt)
+    assert run is not None and run[0] == COPY_NUMBER
+    c = compile_constraint(ConstraintSpec.regex(r"[0-9]{4}"), tok, engine="dfa")
+    block = DraftBlock(prompt, c.matcher(), tok.vocab_size, 8, tok.stop_token_ids, prompt_len=len(prompt))
+    assert RecipeDrafter(pack).extend(block, 8) >= 1
+    assert tok.decode(block.tokens) == b"2005"
+    back = RecipePack.from_dict(json.loads(pack.to_json_bytes()), tokenizer=tok)
+    assert back.lookup(prompt) == run
+    assert merge(pack, back).lookup(prompt)[0] == COPY_NUMBER
+    ref = plain_decode(_runner(tok), prompt, c.matcher(), GREEDY, 12, np.random.default_rng(0), tok.stop_token_ids)
+    d = build_chain(["forced", "recipe"], DraftContext(tokenizer=tok, recipe=pack))
+    loop = SpeculativeLoop(_runner(tok), prompt, constraint=c, drafter=d, k=4, params=GREEDY, max_tokens=12, seed=0)
+    assert loop.generate() == ref
+
+
 def test_cli_build_answers_under_the_offline_deadline(tmp_path, monkeypatch):
     """``recipes build`` learns from the model's own answers whatever the machine's load: each request's preparation
     deadline is the offline one (a server's 5 s let a loaded machine's certified bound shape the sql pack's

@@ -37,6 +37,7 @@ from .block import FORCED_JUMP, FORCED_SOURCES, DraftBlock, Drafter, ModelRunner
 from .distributions import SamplingParams
 from .masks import single_allowed
 from .prefix import common_prefix_len
+from .recipes.pack import COPY_NUMBER
 
 
 def whole_utf8(data: bytes) -> str:
@@ -529,6 +530,7 @@ class RecipeDrafter:
         self.hits = 0
         self._prompt: tuple[int, ...] = ()
         self._positions: dict | None = None
+        self._number_at: tuple | None = None  # (the prompt's length and ends, its number's tokens)
 
     def _copy(self, block: DraftBlock, n: int) -> tuple[int, ...]:
         """A copy recipe: up to ``n`` tokens from the request's prompt (its first context), after the spot that
@@ -543,6 +545,30 @@ class RecipeDrafter:
         src = copy_source(self._prompt, self._positions, seq)
         return () if src is None else self._prompt[src:src + n]
 
+    def _number(self, block: DraftBlock, n: int) -> tuple[int, ...]:
+        """A number copy: up to ``n`` tokens of the prompt's number (``recipes.number_source``; the prompt is
+        ``context[:prompt_len]``, the whole context when the host gives no prompt length), as far as they are
+        digits."""
+        from .recipes.pack import NUM, number_source
+
+        classes = self.pack._classes
+        ctx = block.context
+        np_ = block.prompt_len or len(ctx)
+        if classes is None or not np_:
+            return ()
+        key = (np_, int(ctx[0]), int(ctx[np_ - 1]))
+        if self._number_at is None or self._number_at[0] != key:
+            prompt = tuple(int(t) for t in ctx[:np_])
+            src = number_source(prompt, classes)
+            run: tuple[int, ...] = ()
+            if src is not None:
+                end = src
+                while end < np_ and 0 <= prompt[end] < len(classes) and classes[prompt[end]] == NUM:
+                    end += 1
+                run = prompt[src:end]
+            self._number_at = (key, run)
+        return self._number_at[1][:n]
+
     def extend(self, block: DraftBlock, budget: int) -> int:
         if budget <= 0 or block.dead or (block.matcher is None and not self.unconstrained):
             return 0
@@ -551,8 +577,8 @@ class RecipeDrafter:
         run = self.pack.lookup([*ctx[len(ctx) - 64:], *block.tokens] if len(ctx) > 64 else block.sequence())
         if not run:
             return 0
-        if run[0] < 0:  # (COPY, n)
-            run = self._copy(block, run[1])
+        if run[0] < 0:  # (COPY, n) or (COPY_NUMBER, n)
+            run = self._number(block, run[1]) if run[0] == COPY_NUMBER else self._copy(block, run[1])
         n = push_run(block, run[:budget], self.name)
         if n:
             self.hits += 1

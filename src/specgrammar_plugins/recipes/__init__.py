@@ -13,6 +13,10 @@ Two indexes, both keyed by a suffix of the context (prompt + emitted tokens), lo
   leading space; consecutive tokens of one class collapse into one symbol.  ``"name": "John Smith", "`` and
   ``"name": "Li Wang", "`` share the shape ``"<alpha>": "<alpha>", "``, so one recipe serves every value.
 
+A run may also be a copy from the request: ``(COPY, n)``, the prompt's tokens after the spot that matches the end of
+the context (names, ids, numbers copied into the answer), or ``(COPY_NUMBER, n)``, the prompt's number (its
+longest digit run), where the answer opens a value with it and no context anchors a copy.
+
 Lookup tries the literal index, then the shape index, each as one backward walk over a reversed-key trie
 (a few hundred nanoseconds; ``specgrammar recipes stats`` measures it).
 
@@ -37,11 +41,11 @@ online index).  ``shipped`` holds the packs that ship with the project (package 
 
 from .build import MissLog, Sample, build, merge
 from .layout import LayoutIndex, LayoutScanner, server_layout_index
-from .pack import (ALPHA, COPY, FORMAT, NUM, PACK_NAME, VERSION, Recipe, RecipePack, RecipePackError, auto_pack, class_table,
-                   copy_source, load_pack, prompt_positions, resolve, resolve_name, shape_of, shipped_pack,
-                   shipped_packs, token_class)
+from .pack import (ALPHA, COPY, COPY_NUMBER, FORMAT, NUM, PACK_NAME, VERSION, Recipe, RecipePack, RecipePackError, auto_pack,
+                   class_table, copy_source, load_pack, number_source, prompt_positions, resolve, resolve_name, shape_of,
+                   shipped_pack, shipped_packs, token_class)
 from .suffix import SuffixIndex, server_suffix_index
 
-__all__ = ["LayoutIndex", "LayoutScanner", "auto_pack", "server_layout_index", "ALPHA", "COPY", "FORMAT", "NUM", "PACK_NAME", "VERSION", "MissLog", "Recipe", "RecipePack",
-           "RecipePackError", "Sample", "SuffixIndex", "build", "class_table", "copy_source", "load_pack", "merge", "prompt_positions",
+__all__ = ["LayoutIndex", "LayoutScanner", "auto_pack", "server_layout_index", "ALPHA", "COPY", "COPY_NUMBER", "FORMAT", "NUM", "PACK_NAME", "VERSION", "MissLog", "Recipe", "RecipePack",
+           "RecipePackError", "Sample", "SuffixIndex", "build", "class_table", "copy_source", "load_pack", "merge", "number_source", "prompt_positions",
            "resolve", "resolve_name", "server_suffix_index", "shape_of", "shipped_pack", "shipped_packs", "token_class"]

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .pack import (COPY, DEFAULTS, KINDS, Recipe, RecipePack, RecipePackError, class_table, copy_source,
-                   prompt_positions, shape_of)
+from .pack import (COPIES, COPY, COPY_NUMBER, DEFAULTS, KINDS, NUM, Recipe, RecipePack, RecipePackError, class_table,
+                   copy_source, number_source, prompt_positions, shape_of)
 
 # ---------------------------------------------------------------------------------------------- building
 @dataclass
@@ -64,7 +64,12 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
 
     Copy recipes (``copy``): where a shape key has no agreed run but, at ``copy_agree`` of its occurrences, the
     model went on with what follows the matching spot of the prompt (``copy_source``: values such as names, ids and
-    numbers copied from the request), the recipe is ``(COPY, n)``: draft up to n tokens from the prompt."""
+    numbers copied from the request), the recipe is ``(COPY, n)``: draft up to n tokens from the prompt.
+
+    Number copies (with ``copy``): where a number starts in the answer, whether it copies the prompt's number
+    (``number_source``: its longest run of digit tokens).  A key at whose occurrences that copy holds at least
+    ``min_count`` times, at ``copy_agree`` of them, and at least as often as the key's agreed run (if it has one), is
+    ``(COPY_NUMBER, n)``: the value comes from the request, not the training answers' digits."""
     classes = class_table(tokenizer.token_bytes, tokenizer.vocab_size)
     lit: dict[tuple[int, ...], list] = {}
     shp: dict[tuple[int, ...], list] = {}
@@ -75,23 +80,29 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
     n_tokens = 0
     copies: dict[tuple[int, ...], list[int]] = {}  # shape key -> per occurrence, how many tokens a copy got right
     lcopies: dict[tuple[int, ...], list[int]] = {}  # the same for literal keys
+    ncopies: dict[tuple[str, tuple[int, ...]], list[int]] = {}  # (kind, key) -> the same for the prompt's number
     for s in it:
         seq = list(s.prompt) + list(s.output)
         start = len(s.prompt)
         n_tokens += len(s.output)
         sh = shape_of(seq[:start], classes) if shapes else []
         ppos = prompt_positions(s.prompt) if copy else {}
+        nsrc = number_source(s.prompt, classes) if copy else None
         for i in range(start, len(seq)):
-            c = 0
+            c = cn = 0
             if copy:
                 src = copy_source(s.prompt, ppos, seq[:i])
                 if src is not None:
                     while i + c < len(seq) and src + c < start and seq[src + c] == seq[i + c] and c < max_run:
                         c += 1
+                if nsrc is not None and classes[seq[i]] == NUM and (i == start or classes[seq[i - 1]] != NUM):
+                    while i + cn < len(seq) and nsrc + cn < start and seq[nsrc + cn] == seq[i + cn] and cn < max_run:
+                        cn += 1
             for n in range(1, min(max_key, i) + 1):
                 lit.setdefault(tuple(seq[i - n:i]), []).append((seq, i))
                 if copy:
                     lcopies.setdefault(tuple(seq[i - n:i]), []).append(c)
+                    ncopies.setdefault(("literal", tuple(seq[i - n:i])), []).append(cn)
             if shapes:
                 if i > start:
                     t = seq[i - 1]
@@ -102,6 +113,7 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
                     shp.setdefault(tuple(sh[-n:]), []).append((seq, i))
                     if copy:
                         copies.setdefault(tuple(sh[-n:]), []).append(c)
+                        ncopies.setdefault(("shape", tuple(sh[-n:])), []).append(cn)
     recipes: list[Recipe] = []
     for kind, table in (("literal", lit), ("shape", shp)):
         found: dict[tuple[int, ...], tuple[tuple[int, ...], int, int]] = {}
@@ -115,6 +127,11 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
                 hits = [c for c in cs if c > 0]
                 if len(hits) >= min_count and len(hits) >= copy_agree * len(cs):
                     got = ((COPY, max(hits)), len(hits))  # here the model copies from the prompt
+            if copy:
+                ns = ncopies[(kind, key)]
+                hits = [c for c in ns if c > 0]
+                if len(hits) >= min_count and len(hits) >= copy_agree * len(ns) and len(hits) >= (got or ((), 0))[1]:
+                    got = ((COPY_NUMBER, max(hits)), len(hits))  # the value is the prompt's number
             if got is None:
                 if len(key) > 1 and found.get(key[1:], ((),))[0]:
                     found[key] = ((), 0, len(occ))  # a blocker: a shorter key has a run, this context disagrees
@@ -149,6 +166,10 @@ def _tqdm(it, **kw):
 
 
 # ---------------------------------------------------------------------------------------------- merging
+def _is_copy(run: Sequence[int]) -> bool:
+    return bool(run) and run[0] in COPIES
+
+
 def merge(a: RecipePack, b: RecipePack, *, agree: float = DEFAULTS["agree"], max_recipes: int | None = None
           ) -> RecipePack:
     """Combine two packs for one tokenizer.  A key in both keeps the common prefix of the two runs (counts
@@ -163,12 +184,12 @@ def merge(a: RecipePack, b: RecipePack, *, agree: float = DEFAULTS["agree"], max
             r = ra or rb
             out[key] = Recipe(r.kind, r.key, r.run, r.count, r.seen)
             continue
-        if ra.run[:1] == (COPY,) and rb.run[:1] == (COPY,):
-            out[key] = Recipe(ra.kind, ra.key, (COPY, max(ra.run[1], rb.run[1])), ra.count + rb.count,
+        if _is_copy(ra.run) and ra.run[:1] == rb.run[:1]:
+            out[key] = Recipe(ra.kind, ra.key, (ra.run[0], max(ra.run[1], rb.run[1])), ra.count + rb.count,
                               ra.seen + rb.seen)
             continue
         n = 0
-        if ra.run[:1] != (COPY,) and rb.run[:1] != (COPY,):
+        if not _is_copy(ra.run) and not _is_copy(rb.run):
             while n < min(len(ra.run), len(rb.run)) and ra.run[n] == rb.run[n]:
                 n += 1
         if n:

@@ -1,5 +1,5 @@
 """The recipe-pack format and its lookup: ``RecipePack`` (two reversed-key tries: literal token suffixes and shape
-suffixes), the shape classes, copy recipes (``copy_source``), and finding packs (a path or a shipped pack's name).
+suffixes), the shape classes, copy recipes (``copy_source``, ``number_source``), and finding packs (a path or a shipped pack's name).
 See the package docstring for what a recipe is."""
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ _ALPHA_RE = re.compile(rb"^ ?[A-Za-z]+$")
 _CAPS_RE = re.compile(rb"^ ?[A-Z]{2,}$")
 
 COPY = -100  # a run (COPY, n): copy up to n tokens from the prompt (see ``copy_source``)
+COPY_NUMBER = -101  # a run (COPY_NUMBER, n): copy up to n tokens of the prompt's number (see ``number_source``)
+COPIES = (COPY, COPY_NUMBER)
 DEFAULTS = dict(max_key=8, max_shape_key=12, max_run=32, min_count=2, agree=0.8, max_recipes=4096, copy_agree=0.5)
 
 
@@ -98,6 +100,26 @@ def copy_source(prompt: Sequence[int], positions: dict[int, list[int]], seq: Seq
             if m == max_match:
                 break
     return best + 1 if best >= 0 else None
+
+
+def number_source(prompt: Sequence[int], classes: Sequence[int]) -> int | None:
+    """Where the prompt's number starts: the first token of its longest run of number-class tokens (``NUM``; the
+    latest on ties), None when it has none.  A copy anchored on the context (``copy_source``) cannot start a value
+    the answer opens with (``Find the year: ... in 2005.`` answered ``2005``: the context before it is the chat
+    template's), and a literal recipe learns the training answers' digits there (``1`` for 11 of 12 years)."""
+    n, ncls = len(prompt), len(classes)
+    best, best_len, j = None, 0, 0
+    while j < n:
+        t = prompt[j]
+        if (classes[t] if 0 <= t < ncls else t) != NUM:
+            j += 1
+            continue
+        i = j
+        while j < n and (classes[prompt[j]] if 0 <= prompt[j] < ncls else prompt[j]) == NUM:
+            j += 1
+        if j - i >= best_len:
+            best, best_len = i, j - i
+    return best
 
 
 # ---------------------------------------------------------------------------------------------- the pack
@@ -264,7 +286,8 @@ class RecipePack:
         by_kind = {k: sum(1 for r in self.recipes.values() if r.kind == k and r.run) for k in KINDS}
         by_kind["blockers"] = sum(1 for r in self.recipes.values() if not r.run)
         by_kind["copy"] = sum(1 for r in self.recipes.values() if r.run[:1] == (COPY,))
-        runs = [len(r.run) for r in self.recipes.values() if r.run and r.run[0] != COPY]
+        by_kind["copy_number"] = sum(1 for r in self.recipes.values() if r.run[:1] == (COPY_NUMBER,))
+        runs = [len(r.run) for r in self.recipes.values() if r.run and r.run[0] not in COPIES]
         return {"recipes": len(self.recipes), **by_kind, "run_tokens": sum(runs),
                 "mean_run": (sum(runs) / len(runs)) if runs else 0.0, "max_run": max(runs, default=0),
                 "bytes": len(self.to_json_bytes()), "fingerprint": self.fingerprint, "tokenizer": self.tokenizer_name}
@@ -275,6 +298,8 @@ class RecipePack:
             return ""
         if len(ids) == 2 and ids[0] == COPY:
             return f"<copy up to {ids[1]} tokens from the prompt>"
+        if len(ids) == 2 and ids[0] == COPY_NUMBER:
+            return f"<copy up to {ids[1]} tokens of the prompt's number>"
         n = len(self._token_bytes)
         return b"".join(self._token_bytes[i] if 0 <= i < n else b"" for i in ids).decode("utf-8", "replace")
 
@@ -349,7 +374,7 @@ class RecipePack:
                 if kind not in KINDS:
                     raise RecipePackError(f"{where}: recipe {i} has unknown kind {kind!r}")
                 run = tuple(int(t) for t in r["run"])
-                if run and (min(run[1:], default=0) < 0 or (run[0] < 0 and (run[0] != COPY or len(run) != 2))):
+                if run and (min(run[1:], default=0) < 0 or (run[0] < 0 and (run[0] not in COPIES or len(run) != 2))):
                     raise RecipePackError(f"{where}: recipe {i} has a bad run")
                 recipes.append(Recipe(kind, _key_from_json(r["key"], f"{where}: recipe {i}"), run, int(r["count"]),
                                       int(r.get("seen", 0))))
