@@ -127,7 +127,7 @@ def test_argmax_drafts_mask_only_the_rows_whose_argmax_the_grammar_rejects(runs)
     ours: ``test_blind_drafts_are_truncated_and_ours_never``) with the output the plain greedy one."""
     c = runs.ours.counters
     assert c["draft_rows_unmasked"] > 0 and c["draft_rows_masked"] > 0, c
-    assert c["draft_rows_ended"] > 0, c  # (refused_drafts = 1: a refused position is a request's last draft)
+    assert c["draft_rows_ended"] > 0, c  # (refused_drafts = 2: a second refused position is a request's last draft)
     assert c["draft_rows_unlikely"] == 0, c  # (draft_confidence: a greedy request's drafts are never unlikely)
 
 
@@ -310,7 +310,7 @@ def test_refused_drafts_ends_a_requests_drafts_after_that_many_refused_positions
 def test_refused_drafts_option_is_checked():
     from specgrammar_vllm.draft_proposer import REFUSED_DRAFTS, refused_drafts_option
 
-    assert refused_drafts_option({}) == REFUSED_DRAFTS == 1
+    assert refused_drafts_option({}) == REFUSED_DRAFTS == 2
     assert refused_drafts_option({"refused_drafts": None}) is None
     assert refused_drafts_option({"refused_drafts": 3}) == 3
     for bad in (-1, 1.5, "2", True):

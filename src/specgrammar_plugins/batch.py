@@ -48,8 +48,11 @@ log = logging.getLogger("specgrammar")
 # An argmax draft the grammar refuses means the draft model's law is mostly outside the grammar there: the masked
 # argmax drafted in its place was accepted 21% of the times it was reached (389 of 1,822, the tiny pair on unseen
 # schemas), so the positions after it are rarely reached, yet each costs a draft pass and a verification slot.  A
-# request's drafts end after this many refused positions per step (option "refused_drafts"; None: up to k)
-REFUSED_DRAFTS = 1
+# request's drafts end after this many refused positions per step (option "refused_drafts"; None: up to k).  2, not
+# 1: on SmolLM2-135M the first refused position's masked argmax is often right (pretty-printed JSON's whitespace),
+# and ending there cost tokens per target pass (six workloads 3.70 -> 3.64, unseen schemas 2.30 -> 2.29; the tiny
+# pair's schemas 1.58 -> 1.51) for 13-15% fewer draft-model passes per step (docs/BENCHMARKS.md, issue 32)
+REFUSED_DRAFTS = 2
 GREEDY_T = 1e-5  # a row with a temperature below it is greedy (vLLM's _SAMPLING_EPS; vLLM stores 0 for greedy)
 # A request's drafts also end after a model draft when the chance the next position is reached falls below this:
 # the product of the draft model's probabilities of its drafts at this step (option "draft_confidence"; None: off)
