@@ -377,7 +377,7 @@ def test_number_copies_draft_the_prompts_number_where_the_answer_opens_with_it(t
     with it keeps greedy output equal to plain decoding."""
     tok = toy_tok
     from specgrammar_plugins.block import DraftBlock
-    from specgrammar_plugins.recipes import COPY_NUMBER, number_source
+    from specgrammar_plugins.recipes import COPY_NUMBER, number_span
 
     samples = [Sample(tuple(tok.encode(f"in {y} for {n} k.")), tuple(tok.encode(y)) + (tok.eos_token_id,))
                for y, n in (("1938", "41"), ("1851", "7"), ("1902", "66"), ("1777", "12"), ("1969", "3"),
@@ -385,7 +385,7 @@ def test_number_copies_draft_the_prompts_number_where_the_answer_opens_with_it(t
     pack = build(samples, tok, min_count=2)
     assert pack.stats()["copy_number"] >= 1
     prompt = tok.encode("in 2005 for 41 k.")
-    assert tok.decode(prompt[number_source(prompt, class_table(tok.token_bytes, tok.vocab_size)):]).startswith(b"2005")
+    assert tok.decode(prompt[slice(*number_span(prompt, class_table(tok.token_bytes, tok.vocab_size)))]) == b"2005"
     run = pack.lookup(prompt)
     assert run is not None and run[0] == COPY_NUMBER
     c = compile_constraint(ConstraintSpec.regex(r"[0-9]{4}"), tok, engine="dfa")

@@ -546,10 +546,9 @@ class RecipeDrafter:
         return () if src is None else self._prompt[src:src + n]
 
     def _number(self, block: DraftBlock, n: int) -> tuple[int, ...]:
-        """A number copy: up to ``n`` tokens of the prompt's number (``recipes.number_source``; the prompt is
-        ``context[:prompt_len]``, the whole context when the host gives no prompt length), as far as they are
-        digits."""
-        from .recipes.pack import NUM, number_source
+        """A number copy: up to ``n`` tokens of the prompt's number (``recipes.number_span``; the prompt is
+        ``context[:prompt_len]``, the whole context when the host gives no prompt length)."""
+        from .recipes.pack import number_span
 
         classes = self.pack._classes
         ctx = block.context
@@ -559,14 +558,8 @@ class RecipeDrafter:
         key = (np_, int(ctx[0]), int(ctx[np_ - 1]))
         if self._number_at is None or self._number_at[0] != key:
             prompt = tuple(int(t) for t in ctx[:np_])
-            src = number_source(prompt, classes)
-            run: tuple[int, ...] = ()
-            if src is not None:
-                end = src
-                while end < np_ and 0 <= prompt[end] < len(classes) and classes[prompt[end]] == NUM:
-                    end += 1
-                run = prompt[src:end]
-            self._number_at = (key, run)
+            span = number_span(prompt, classes)
+            self._number_at = (key, prompt[span[0]:span[1]] if span is not None else ())
         return self._number_at[1][:n]
 
     def extend(self, block: DraftBlock, budget: int) -> int:

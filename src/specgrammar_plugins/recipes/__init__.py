@@ -42,10 +42,10 @@ online index).  ``shipped`` holds the packs that ship with the project (package 
 from .build import MissLog, Sample, build, merge
 from .layout import LayoutIndex, LayoutScanner, server_layout_index
 from .pack import (ALPHA, COPY, COPY_NUMBER, FORMAT, NUM, PACK_NAME, VERSION, Recipe, RecipePack, RecipePackError, auto_pack,
-                   class_table, copy_source, load_pack, number_source, prompt_positions, resolve, resolve_name, shape_of,
+                   class_table, copy_source, load_pack, number_span, prompt_positions, resolve, resolve_name, shape_of,
                    shipped_pack, shipped_packs, token_class)
 from .suffix import SuffixIndex, server_suffix_index
 
 __all__ = ["LayoutIndex", "LayoutScanner", "auto_pack", "server_layout_index", "ALPHA", "COPY", "COPY_NUMBER", "FORMAT", "NUM", "PACK_NAME", "VERSION", "MissLog", "Recipe", "RecipePack",
-           "RecipePackError", "Sample", "SuffixIndex", "build", "class_table", "copy_source", "load_pack", "merge", "number_source", "prompt_positions",
+           "RecipePackError", "Sample", "SuffixIndex", "build", "class_table", "copy_source", "load_pack", "merge", "number_span", "prompt_positions",
            "resolve", "resolve_name", "server_suffix_index", "shape_of", "shipped_pack", "shipped_packs", "token_class"]

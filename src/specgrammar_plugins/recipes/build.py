@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .pack import (COPIES, COPY, COPY_NUMBER, DEFAULTS, KINDS, NUM, Recipe, RecipePack, RecipePackError, class_table,
-                   copy_source, number_source, prompt_positions, shape_of)
+                   copy_source, number_span, prompt_positions, shape_of)
 
 # ---------------------------------------------------------------------------------------------- building
 @dataclass
@@ -67,7 +67,7 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
     numbers copied from the request), the recipe is ``(COPY, n)``: draft up to n tokens from the prompt.
 
     Number copies (with ``copy``): where a number starts in the answer, whether it copies the prompt's number
-    (``number_source``: its longest run of digit tokens).  A key at whose occurrences that copy holds at least
+    (``number_span``: its longest run of digit tokens).  A key at whose occurrences that copy holds at least
     ``min_count`` times, at ``copy_agree`` of them, and at least as often as the key's agreed run (if it has one), is
     ``(COPY_NUMBER, n)``: the value comes from the request, not the training answers' digits."""
     classes = class_table(tokenizer.token_bytes, tokenizer.vocab_size)
@@ -87,17 +87,13 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
         n_tokens += len(s.output)
         sh = shape_of(seq[:start], classes) if shapes else []
         ppos = prompt_positions(s.prompt) if copy else {}
-        nsrc = number_source(s.prompt, classes) if copy else None
+        number = number_span(s.prompt, classes) if copy else None
         for i in range(start, len(seq)):
             c = cn = 0
             if copy:
-                src = copy_source(s.prompt, ppos, seq[:i])
-                if src is not None:
-                    while i + c < len(seq) and src + c < start and seq[src + c] == seq[i + c] and c < max_run:
-                        c += 1
-                if nsrc is not None and classes[seq[i]] == NUM and (i == start or classes[seq[i - 1]] != NUM):
-                    while i + cn < len(seq) and nsrc + cn < start and seq[nsrc + cn] == seq[i + cn] and cn < max_run:
-                        cn += 1
+                c = _copied(seq, i, copy_source(s.prompt, ppos, seq[:i]), start, max_run)
+                if number is not None and classes[seq[i]] == NUM and (i == start or classes[seq[i - 1]] != NUM):
+                    cn = _copied(seq, i, number[0], start, max_run)
             for n in range(1, min(max_key, i) + 1):
                 lit.setdefault(tuple(seq[i - n:i]), []).append((seq, i))
                 if copy:
@@ -130,7 +126,7 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
             if copy:
                 ns = ncopies[(kind, key)]
                 hits = [c for c in ns if c > 0]
-                if len(hits) >= min_count and len(hits) >= copy_agree * len(ns) and len(hits) >= (got or ((), 0))[1]:
+                if len(hits) >= min_count and len(hits) >= copy_agree * len(ns) and len(hits) >= (got[1] if got else 0):
                     got = ((COPY_NUMBER, max(hits)), len(hits))  # the value is the prompt's number
             if got is None:
                 if len(key) > 1 and found.get(key[1:], ((),))[0]:
@@ -155,6 +151,15 @@ def build(samples: Iterable[Sample], tokenizer, *, max_key: int = DEFAULTS["max_
     dropped = pack.prune(max_recipes)
     pack.meta["pruned"] = dropped
     return pack
+
+
+def _copied(seq: Sequence[int], i: int, src: int | None, start: int, max_run: int) -> int:
+    """How many tokens of ``seq`` from ``i`` on equal the prompt's (``seq[:start]``) from ``src`` on (0 for None)."""
+    c = 0
+    if src is not None:
+        while i + c < len(seq) and src + c < start and seq[src + c] == seq[i + c] and c < max_run:
+            c += 1
+    return c
 
 
 def _tqdm(it, **kw):

@@ -1,5 +1,5 @@
 """The recipe-pack format and its lookup: ``RecipePack`` (two reversed-key tries: literal token suffixes and shape
-suffixes), the shape classes, copy recipes (``copy_source``, ``number_source``), and finding packs (a path or a shipped pack's name).
+suffixes), the shape classes, copy recipes (``copy_source``, ``number_span``), and finding packs (a path or a shipped pack's name).
 See the package docstring for what a recipe is."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ _ALPHA_RE = re.compile(rb"^ ?[A-Za-z]+$")
 _CAPS_RE = re.compile(rb"^ ?[A-Z]{2,}$")
 
 COPY = -100  # a run (COPY, n): copy up to n tokens from the prompt (see ``copy_source``)
-COPY_NUMBER = -101  # a run (COPY_NUMBER, n): copy up to n tokens of the prompt's number (see ``number_source``)
+COPY_NUMBER = -101  # a run (COPY_NUMBER, n): copy up to n tokens of the prompt's number (see ``number_span``)
 COPIES = (COPY, COPY_NUMBER)
 DEFAULTS = dict(max_key=8, max_shape_key=12, max_run=32, min_count=2, agree=0.8, max_recipes=4096, copy_agree=0.5)
 
@@ -102,23 +102,21 @@ def copy_source(prompt: Sequence[int], positions: dict[int, list[int]], seq: Seq
     return best + 1 if best >= 0 else None
 
 
-def number_source(prompt: Sequence[int], classes: Sequence[int]) -> int | None:
-    """Where the prompt's number starts: the first token of its longest run of number-class tokens (``NUM``; the
-    latest on ties), None when it has none.  A copy anchored on the context (``copy_source``) cannot start a value
+def number_span(prompt: Sequence[int], classes: Sequence[int]) -> tuple[int, int] | None:
+    """Where the prompt's number is: (start, end) of its longest run of number-class tokens (``NUM``; the latest on
+    ties), None when it has none.  A copy anchored on the context (``copy_source``) cannot start a value
     the answer opens with (``Find the year: ... in 2005.`` answered ``2005``: the context before it is the chat
     template's), and a literal recipe learns the training answers' digits there (``1`` for 11 of 12 years)."""
-    n, ncls = len(prompt), len(classes)
-    best, best_len, j = None, 0, 0
-    while j < n:
-        t = prompt[j]
-        if (classes[t] if 0 <= t < ncls else t) != NUM:
-            j += 1
-            continue
-        i = j
-        while j < n and (classes[prompt[j]] if 0 <= prompt[j] < ncls else prompt[j]) == NUM:
-            j += 1
-        if j - i >= best_len:
-            best, best_len = i, j - i
+    ncls = len(classes)
+    best = None
+    i = -1  # the start of the run of digits being walked (-1: none)
+    for j, t in enumerate([*prompt, -1]):  # (-1 ends a run at the prompt's end)
+        if 0 <= t < ncls and classes[t] == NUM:
+            i = j if i < 0 else i
+        elif i >= 0:
+            if best is None or j - i >= best[1] - best[0]:
+                best = (i, j)
+            i = -1
     return best
 
 
