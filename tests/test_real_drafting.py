@@ -112,6 +112,45 @@ def test_prompt_copy_is_masked(vocab):
     assert block.tokens == []
 
 
+@real
+def test_prompt_lookup_searches_the_output_too(vocab):
+    """A sampled small model falls into loops (SmolLM2-135M, email at T = 0.7: ``p aul ass istant riptor ad`` to 128
+    tokens): the n-gram match searches the committed output as well as the prompt, as LlamaPromptLookupDecoding and
+    vLLM's ngram do, so the loop's next turn is drafted; in the output only a whole 3-gram matches (``output_ngram``:
+    JSON's own repeated structure is not copied at T = 0); with ``output=False`` only the prompt is searched."""
+    from specgrammar_plugins.constraint import ConstraintSpec
+    from specgrammar_plugins.drafters import PromptLookupDrafter
+
+    _, tok = vocab
+    spec = ConstraintSpec.regex(r"[a-z]+@[a-z]+\.com")
+    prompt = tok.encode("Find the email address: You can reach Omar at omarali@inbox.com any time.")
+    unit = tok.encode("paulassistantriptorad")
+    assert len(unit) >= 4
+    out = tok.encode("smol") + unit + unit
+    d = PromptLookupDrafter(tok.token_bytes, tok.encode)
+    block = _block(tok, spec, prompt, out)
+    assert d.extend(block, 4) == 4 and block.tokens == unit[:4], _text(tok, block.tokens)
+    assert block.sources == ["prompt"] * 4
+    # the same drafter, the next round: the output committed since is indexed too (no rescan of the prompt)
+    block = _block(tok, spec, prompt, out + unit[:2])
+    assert d.extend(block, 4) == 4 and block.tokens == (unit + unit)[2:6]
+    # a new request with the same prompt starts again from the prompt
+    block = _block(tok, spec, prompt, tok.encode("omar"))
+    d.extend(block, 4)
+    assert _text(tok, block.tokens).startswith("ali@"), _text(tok, block.tokens)
+    block = _block(tok, spec, prompt, out)
+    PromptLookupDrafter(tok.token_bytes, tok.encode, output=False).extend(block, 4)
+    assert block.tokens != unit[:4]
+    # only a 2-gram of the output repeats: not copied by default, copied with output_ngram=2
+    once = tok.encode("smol") + unit + unit[:2]
+    block = _block(tok, spec, prompt, once)
+    PromptLookupDrafter(tok.token_bytes, tok.encode).extend(block, 4)
+    assert block.tokens != unit[2:6]
+    block = _block(tok, spec, prompt, once)
+    PromptLookupDrafter(tok.token_bytes, tok.encode, output_ngram=2).extend(block, 4)
+    assert block.tokens == unit[2:6]
+
+
 @pytest.fixture(scope="module")
 def llm():
     from specgrammar_llama_cpp import SpecLlama

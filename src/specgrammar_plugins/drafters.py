@@ -700,19 +700,30 @@ class PromptLookupDrafter:
     the prompt (`` "Oscar`` is `` "``, ``O``, ``scar``).  Each candidate is tried against the block's mask
     (``max_candidates`` per n-gram length / suffix length): a span whose first token the grammar forbids is never
     proposed, and the span is cut at the first token it refuses.  The prompt is ``context[:prompt_len]`` (the whole
-    committed context when the host gives no prompt length)."""
+    committed context when the host gives no prompt length).
+
+    With ``output`` (the default) the token n-gram match searches the request's committed output too, as
+    ``LlamaPromptLookupDecoding`` and vLLM's ``ngram`` search prompt and output: a small model sampled at T > 0
+    falls into loops (SmolLM2-135M on the email workload at T = 0.7: ``p aul ass istant riptor ad`` over and over
+    to 128 tokens), which only its own output predicts.  Longest n-gram first, latest occurrence first, so an equally
+    long match in the output wins over the prompt's; in the output only an n-gram of at least ``output_ngram`` tokens
+    matches (3: with 2, JSON's repeated structure was copied at T = 0 and vLLM's json_extraction took 2 passes more
+    on SmolLM2).  The text match stays on the prompt (a value copied from it)."""
 
     name = "prompt"
 
     def __init__(self, token_bytes, encode=None, *, max_ngram: int = 3, max_chars: int = 24, max_candidates: int = 4,
-                 max_copy: int = 16, unconstrained: bool = True):
+                 max_copy: int = 16, unconstrained: bool = True, output: bool = True, output_ngram: int = 3):
         self.token_bytes = token_bytes
         self.encode = encode
         self.max_ngram, self.max_chars, self.max_candidates, self.max_copy = max_ngram, max_chars, max_candidates, max_copy
         self.unconstrained = unconstrained
+        self.output = output
+        self.output_ngram = output_ngram  # the shortest n-gram matched in the output (the prompt's: 1)
         self._key = None
         self._prompt: tuple[int, ...] = ()
-        self._pos: dict[int, list[int]] = {}
+        self._seq: list[int] = []  # the tokens the n-gram match searches: the prompt, then the committed output
+        self._pos: dict[int, list[int]] = {}  # token -> its positions in ``_seq``, ascending
         self._text = b""
         self._out_n = 0
         self._out_text = b""
@@ -725,15 +736,22 @@ class PromptLookupDrafter:
         ctx = block.context
         n = block.prompt_len or len(ctx)
         key = (n, tuple(ctx[:2]), ctx[n - 1] if n else None)
-        if key == self._key:
-            return
-        self._key = key
-        self._prompt = tuple(int(t) for t in ctx[:n])
-        self._pos = {}
-        for j, t in enumerate(self._prompt):
-            self._pos.setdefault(t, []).append(j)
-        self._text = b"".join(self._tb(t) for t in self._prompt)
-        self._out_n, self._out_text = 0, b""
+        seq = self._seq
+        if key != self._key or len(ctx) < len(seq) or (len(seq) > n and int(ctx[len(seq) - 1]) != seq[-1]):
+            self._key = key  # (a new request, or one with the same prompt: start again from the prompt)
+            self._prompt = tuple(int(t) for t in ctx[:n])
+            self._seq = seq = list(self._prompt)
+            self._pos = {}
+            for j, t in enumerate(self._prompt):
+                self._pos.setdefault(t, []).append(j)
+            self._text = b"".join(self._tb(t) for t in self._prompt)
+            self._out_n, self._out_text = 0, b""
+        if self.output and len(ctx) > len(seq):  # the output committed since the last block
+            pos = self._pos
+            for j in range(len(seq), len(ctx)):
+                t = int(ctx[j])
+                seq.append(t)
+                pos.setdefault(t, []).append(j)
 
     def _push(self, block: DraftBlock, run: Sequence[int]) -> int:
         return push_run(block, run, self.name)
@@ -742,8 +760,8 @@ class PromptLookupDrafter:
         if budget <= 0 or block.dead or (block.matcher is None and not self.unconstrained):
             return 0
         self._load(block)
-        prompt, pos = self._prompt, self._pos
-        np_ = len(prompt)
+        hay, pos = self._seq, self._pos
+        nh, npr = len(hay), len(self._prompt)
         seq = block.sequence()
         # token n-grams, longest first, latest occurrence first (LlamaPromptLookupDecoding's search); the longest
         # n that matches decides (its candidates the grammar refuses are not retried with a shorter n-gram)
@@ -751,13 +769,13 @@ class PromptLookupDrafter:
             tail = seq[len(seq) - n:]
             tried = 0
             for p in reversed(pos.get(tail[-1], ())):
-                if p + 1 >= np_ or p - n + 1 < 0:
+                if p + 1 >= nh or p - n + 1 < 0 or (n < self.output_ngram and p >= npr):
                     continue
-                if n > 1 and list(prompt[p - n + 1:p + 1]) != tail:
+                if n > 1 and list(hay[p - n + 1:p + 1]) != tail:
                     continue
                 tried += 1
-                if block.allows(prompt[p + 1]):
-                    return self._push(block, prompt[p + 1:p + 1 + min(budget, self.max_copy)])
+                if block.allows(hay[p + 1]):
+                    return self._push(block, hay[p + 1:p + 1 + min(budget, self.max_copy)])
                 if tried >= self.max_candidates:
                     break
             if tried:
