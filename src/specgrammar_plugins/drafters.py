@@ -721,37 +721,40 @@ class PromptLookupDrafter:
         self.output = output
         self.output_ngram = output_ngram  # the shortest n-gram matched in the output (the prompt's: 1)
         self._key = None
-        self._prompt: tuple[int, ...] = ()
-        self._seq: list[int] = []  # the tokens the n-gram match searches: the prompt, then the committed output
-        self._pos: dict[int, list[int]] = {}  # token -> its positions in ``_seq``, ascending
-        self._text = b""
-        self._out_n = 0
-        self._out_text = b""
+        self._seq: list[int] = []  # the request's prompt, then its committed output
+        self._np = 0  # the prompt's length in ``_seq``
+        self._pos: dict[int, list[int]] = {}  # token -> its positions in ``_seq`` the n-gram match searches, ascending
+        self._text = b""  # the prompt's text
+        self._out_text = b""  # the committed output's text
 
     def _tb(self, t: int) -> bytes:
         tb = self.token_bytes
         return tb[t] if 0 <= t < len(tb) else b""
 
     def _load(self, block: DraftBlock) -> None:
+        """``_seq`` and what is derived from it brought up to the block's committed context: a new request (or one
+        with the same prompt) starts again from its prompt; the output committed since the last block is appended,
+        indexed for the n-gram match with ``output``, and its text kept for the text match."""
         ctx = block.context
         n = block.prompt_len or len(ctx)
         key = (n, tuple(ctx[:2]), ctx[n - 1] if n else None)
         seq = self._seq
         if key != self._key or len(ctx) < len(seq) or (len(seq) > n and int(ctx[len(seq) - 1]) != seq[-1]):
-            self._key = key  # (a new request, or one with the same prompt: start again from the prompt)
-            self._prompt = tuple(int(t) for t in ctx[:n])
-            self._seq = seq = list(self._prompt)
+            self._key, self._np = key, n
+            self._seq = seq = [int(t) for t in ctx[:n]]
             self._pos = {}
-            for j, t in enumerate(self._prompt):
+            for j, t in enumerate(seq):
                 self._pos.setdefault(t, []).append(j)
-            self._text = b"".join(self._tb(t) for t in self._prompt)
-            self._out_n, self._out_text = 0, b""
-        if self.output and len(ctx) > len(seq):  # the output committed since the last block
-            pos = self._pos
-            for j in range(len(seq), len(ctx)):
-                t = int(ctx[j])
-                seq.append(t)
-                pos.setdefault(t, []).append(j)
+            self._text = b"".join(self._tb(t) for t in seq)
+            self._out_text = b""
+        if len(ctx) > len(seq):
+            new = [int(t) for t in ctx[len(seq):]]
+            if self.output:
+                pos = self._pos
+                for j, t in enumerate(new, len(seq)):
+                    pos.setdefault(t, []).append(j)
+            seq.extend(new)
+            self._out_text += b"".join(self._tb(t) for t in new)
 
     def _push(self, block: DraftBlock, run: Sequence[int]) -> int:
         return push_run(block, run, self.name)
@@ -760,8 +763,8 @@ class PromptLookupDrafter:
         if budget <= 0 or block.dead or (block.matcher is None and not self.unconstrained):
             return 0
         self._load(block)
-        hay, pos = self._seq, self._pos
-        nh, npr = len(hay), len(self._prompt)
+        hay, pos, npr = self._seq, self._pos, self._np
+        nh = len(hay) if self.output else npr
         seq = block.sequence()
         # token n-grams, longest first, latest occurrence first (LlamaPromptLookupDecoding's search); the longest
         # n that matches decides (its candidates the grammar refuses are not retried with a shorter n-gram)
@@ -783,13 +786,6 @@ class PromptLookupDrafter:
         if self.encode is None:
             return 0
         # the text match: the output's text (committed + this block's drafts) against the prompt's text
-        start = block.prompt_len if block.prompt_len else len(block.context)
-        ctx = block.context
-        if len(ctx) - start < self._out_n:
-            self._out_n, self._out_text = 0, b""
-        if len(ctx) - start > self._out_n:
-            self._out_text += b"".join(self._tb(t) for t in ctx[start + self._out_n:])
-            self._out_n = len(ctx) - start
         out = self._out_text + b"".join(self._tb(t) for t in block.tokens)
         text = self._text
         for L in range(min(self.max_chars, len(out)), 0, -1):
