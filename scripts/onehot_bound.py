@@ -70,7 +70,6 @@ def main() -> None:
     all_q: list[float] = []
     all_ov: list[float] = []
     all_top: list[float] = []
-    all_best: list[float] = []
     for req, text in zip(reqs, outs):
         if text is None:
             continue
@@ -108,7 +107,6 @@ def main() -> None:
         all_q += q_max
         all_ov += overlap
         all_top += top
-        all_best += best
     for g, (one_hot, model, model_top, both) in by.items():
         print(f"{g:16s} best one-hot {np.mean(one_hot):.2f}   draft model's sampled draft {np.mean(model):.2f}"
               f"   its argmax one-hot {np.mean(model_top):.2f}   the better of the two at each position "
@@ -117,7 +115,7 @@ def main() -> None:
     print(f"mean of the groups: best one-hot {means[0]:.2f}, draft model {means[1]:.2f}, its argmax one-hot "
           f"{means[2]:.2f}, the better of the two {means[3]:.2f}; per position: mean q_max {np.mean(all_q):.2f}, "
           f"mean sum min(r, q) {np.mean(all_ov):.2f}, mean q(argmax r) {np.mean(all_top):.2f}, mean of the better "
-          f"{np.mean(all_best):.2f} over {len(all_q)} positions")
+          f"{np.mean(np.maximum(all_q, all_ov)):.2f} over {len(all_q)} positions")
 
 
 if __name__ == "__main__":

@@ -215,7 +215,7 @@ def run_method(method: str, n: int, k: int, max_tokens: int, temperature: float,
     rows: list[dict] = []
     groups = [(w, _batch(w, method, schemas if w == JSB else n, max_tokens, temperature, model)) for w in names]
     if together:  # one call: the engine schedules them all, up to max_num_seqs at a time
-        groups = [("together", tuple(sum((list(g[j]) for _, g in groups), []) for j in range(3)))]
+        groups = [("together", tuple([x for _, g in groups for x in g[j]] for j in range(3)))]
     for w, (prompts, params, checks) in groups:
         before = spec_metrics(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
