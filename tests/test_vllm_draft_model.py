@@ -244,6 +244,39 @@ def test_lazy_masking_equals_the_masked_argmax_row_for_row(vocab, ties):
     assert counters["draft_rows_ended"] == 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_arbiters_masked_top_is_the_masked_laws_argmax_and_probability(dtype):
+    """``_masked_top`` (the draft arbiter's judge of a host draft) against the masked law in float64: the first
+    allowed maximum, and its probability in softmax(mask(logits)) to 1e-6, for rows allowing a few tokens or all
+    of a 49,152-token vocabulary (float32 exponentials since this stop), from numpy's view of the logits and from
+    torch's; nothing finite allowed answers (-1, 0.0)."""
+    import numpy as np
+    import torch
+
+    from specgrammar_vllm.draft_proposer import _numpy_view
+
+    vocab, rows = 49152, 3
+    prop, _ = _bare_proposer(vocab, rows)
+    rng = np.random.default_rng(11)
+    logits = torch.from_numpy((rng.standard_normal((rows, vocab)) * 4).astype(np.float32)).to(getattr(torch, dtype))
+    wide = logits.double().numpy()
+    for share in (0.0005, 0.3, 1.0):
+        for i in range(rows):
+            allowed = rng.random(vocab) < share
+            allowed[int(rng.integers(0, vocab))] = True
+            bits = np.concatenate([allowed, np.zeros((-vocab) % 32, dtype=bool)])
+            row = np.packbits(bits, bitorder="little").view(np.int32)
+            z = np.where(allowed, wide[i], -np.inf)
+            want = int(z.argmax())
+            q = float(np.exp(z[want] - np.logaddexp.reduce(z[allowed])))
+            for host in (_numpy_view(logits), None):
+                t, p = prop._masked_top(logits, i, row, host)
+                assert t == want and abs(p - q) <= 1e-6 * max(q, 1e-3), (share, i, t, want, p, q)
+    logits[0, :] = float("-inf")
+    row = np.full((vocab + 31) // 32, -1, dtype=np.int32)
+    assert prop._masked_top(logits, 0, row, _numpy_view(logits)) == (-1, 0.0)
+
+
 def _bare_proposer(vocab: int, rows: int):
     """A ``GrammarDraftProposer`` without vLLM's engine (the benchmark's: the attributes ``_lazy`` reads, every
     counter at 0, a fault raised) and its counters."""

@@ -339,12 +339,14 @@ class GrammarDrafting:
             vals = _take(host, i, ids)
         else:
             vals = logits[i].index_select(0, torch.from_numpy(ids).to(logits.device)).float().cpu().numpy()
-        vals = vals.astype(np.float64)
+        vals = np.asarray(vals, dtype=np.float32)  # (no copy of float32 logits)
         j = int(vals.argmax())
         best = vals[j]
         if not np.isfinite(best):
             return -1, 0.0
-        return int(ids[j]), float(1.0 / np.exp(vals - best).sum())
+        # float32 exponentials summed in float64: ~0.1 ms at a row that allows all 49,152 tokens, where widening the
+        # row to float64 first took ~0.5 ms (the probability is held to the chain's ``host_sure``)
+        return int(ids[j]), float(1.0 / np.exp(vals - best).sum(dtype=np.float64))
 
     def _apply(self, logits, num_rows: int) -> None:
         """Mask ``logits`` [num_rows, V] in place with the pinned bitmask's first ``num_rows`` rows (one H2D copy,
