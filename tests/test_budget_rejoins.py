@@ -5,10 +5,12 @@ A model that pretty-prints JSON writes ``  "`` before a key, ``",\\n`` after a v
 the budget's certificate (the completion it certifies after each prefix) is written compact.  ``_next_of`` used to
 walk a whole new completion for each such token (~0.8 ms a token at 151,936 tokens; SmolLM2's documents: one walk
 every 3-4 tokens).  It now first certifies the candidates ``_rejoins`` reads off the parent's text, JSON whitespace
-outside strings aside; the engine certifies each, so a candidate is never trusted.  Checked here: the candidates
-themselves (byte-level cases from SmolLM2's outputs), and along pretty-printed documents the certificates are as
-long as the walks' at every position (the same slack, so the same cuts), each one the engine accepts to the end,
-with a fraction of the walks.
+outside strings aside, and what a walk wrote before in the same lexical place; the engine certifies each, so a
+candidate is never trusted.  Checked here: the candidates themselves (byte-level cases from SmolLM2's outputs);
+along pretty-printed documents the certificates are as long as the walks' at every position (the same slack, so the
+same cuts), each one the engine accepts to the end, with a fraction of the walks; and vLLM's whole rows along them
+are cut exactly as with the walks, at a vocabulary as wide as the tokenizer and at one padded past it (Qwen2.5's
+151,936 ids for 151,665 tokens: the far zone's tables are the tokenizer's length, and a padded row raised there).
 """
 
 from __future__ import annotations
@@ -60,9 +62,7 @@ def test_rejoin_candidates(before, tb, text, want):
 class _Walking(CertifiedBudget):
     """The budget as it was: no rejoined candidate, a walk after every token that leaves the certificate."""
 
-    @staticmethod
-    def _rejoins(*a):
-        return iter(())
+    rejoin = False
 
 
 SCHEMA = {"type": "object", "properties": {
@@ -106,3 +106,33 @@ def test_pretty_printed_documents_keep_every_certificate_with_fewer_walks(tok, d
         m = compiled.matcher()
         assert all(m.accept(t) for t in [*ids[:p], *c]) and m.is_terminated(), (p, tok.decode(list(c)))
     assert walks[1] >= 8 and walks[0] * 2 <= walks[1], walks
+
+
+@pytest.mark.parametrize("pad", [0, 96], ids=["tokenizer-wide", "padded"])
+def test_whole_rows_along_pretty_printed_documents_are_cut_as_with_walks(pad):
+    import numpy as np
+
+    from specgrammar_plugins.history import HistoryMatcher
+    from specgrammar_plugins.masks import mask_words
+    from specgrammar_plugins.models import TINY_DIR, tiny_tokenizer_info
+
+    if not (TINY_DIR / "tokenizer.json").exists():
+        pytest.skip("the bundled tiny tokenizer is not in the tree")
+    tok = tiny_tokenizer_info()
+    tok = tiny_tokenizer_info(tok.vocab_size + pad)
+    assert tok.vocab_size == len(tok.token_bytes) + pad
+    compiled = compile_constraint(ConstraintSpec.json_schema(SCHEMA), tok, engine="xgrammar")
+    for doc in DOCS:
+        ids = list(tok.encode(json.dumps(doc, indent=2, ensure_ascii=False)))
+        rows = []
+        for make in (make_budget, _Walking):  # a budget that binds near the end: rows are cut
+            budget, hm, got = make(compiled, len(ids) + 12), HistoryMatcher(compiled), []
+            for p in range(len(ids) + 1):  # the target position and the next 4 (a draft step's rows)
+                for i in range(min(4, len(ids) - p) + 1):
+                    assert hm.sync(ids[:p + i])
+                    row = np.zeros(mask_words(tok.vocab_size), dtype=np.int32)
+                    hm.matcher.fill_mask(row)
+                    got.append((budget.mask_row(row, ids[:p + i], 16, whole=True, far="open"), row.tobytes()))
+            assert not budget.lost and not budget.lost_midway
+            rows.append(got)
+        assert rows[0] == rows[1] and any(c for c, _ in rows[0])

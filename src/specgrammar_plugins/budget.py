@@ -504,6 +504,12 @@ def _after_value(text: bytes, depth: int, at: _Scan) -> bytes | None:
     return b"" if d == depth and not in_s and depth == 0 else None
 
 
+def _place(scan: _Scan) -> tuple:
+    """Where a scan is, lexically: its open containers with the keys seen in each, and its string and key state."""
+    return (tuple((k, frozenset(seen) if seen is not None else None) for k, seen in scan.stack), scan.in_str,
+            scan.esc, scan.key_buf is not None, scan.expect_key, scan.need_colon, scan.owed_value)
+
+
 def _rejoins(text: bytes, tb: bytes, at: _Scan, scan: _Scan, depth: int):
     """Candidate completions after a JSON token ``tb`` from a certificate's ``text`` (both from the scan ``at``;
     ``scan``: after the token; ``depth``: containers open at ``at``), JSON whitespace outside strings aside, the
@@ -550,6 +556,9 @@ class CertifiedBudget(Budget):
     settles = True
     MAX_NAMES = 64
     MAX_WALK = 4096  # steps of the start's walk
+    # certificates rejoined before a walk (``_next_of``: the parent's own text after a pretty-printed token, what
+    # a walk wrote before in the same lexical place); off: a walk after every token that leaves the certificate
+    rejoin = True
 
     def __init__(self, compiled: CompiledConstraint, budget: int, deadline=None):
         super().__init__(budget)
@@ -573,6 +582,7 @@ class CertifiedBudget(Budget):
         self._nexts_held = 0  # (the tokens of their prefixes)
         self._spells: dict = {}  # text -> its spellings (``_spellings``), the last 512
         self._texts: dict = {}  # certificate -> its text (``_text``), the last 256
+        self._wrote: dict = {}  # a lexical place -> what a rejoined walk wrote there (``_next_of``), the last 256
         # xgrammar 0.2.8 accepts tokens its own mask leaves out (after `"Cla` in an enum's "Classical", `ssi`:
         # accept_token says yes, fill_next_token_bitmask has only `s`): a host samples from the mask, so a
         # certificate must be a way the masks allow (``_MaskChecked``), or the certificate's own next token is not
@@ -879,12 +889,12 @@ class CertifiedBudget(Budget):
                 c = self._spelled(text[len(tb):], limit, m)
                 if c is not None:
                     return c
-            elif self.json and tb:
+            elif self.json and tb and self.rejoin:
                 # the parent's own text, rejoined after what the token writes (a pretty-printed model writes
                 # ``  "`` and ``",\n`` where the certificate is compact, or ends a value the certificate goes on
                 # with): the engine certifies each candidate (a wrong one fails within a token or two); a walk
                 # was ~0.8 ms a token at 151,936
-                for rest in self._rejoins(text, tb, at, scan, d):
+                for rest in _rejoins(text, tb, at, scan, d):
                     c = self._spelled(rest, limit, m)
                     if c is not None:
                         return c
@@ -895,15 +905,33 @@ class CertifiedBudget(Budget):
                 return parent
             if len(parent) > limit:  # no slack: only the certificate's own way fits (never a longer walk)
                 return None
-        rejoin = None
+        rejoin, rest = None, b""
         if parent and (len(scan.stack) > d or (len(scan.stack) == d and d and not scan.in_str
                                                and self.tok.token_bytes[t].rstrip(_WHITESPACE).endswith(b","))):
             # the token opened something (the walk closes it), or started a container's next item or member (the
             # walk writes it), then the parent's rest
-            rejoin = (d, lambda: _after_value(self._text(parent), d, at))
-        return self._walk(m, scan, 2 * limit + 8, limit, rejoin=rejoin)
-
-    _rejoins = staticmethod(_rejoins)  # (the candidates ``_next_of`` certifies before a walk)
+            rest = _after_value(self._text(parent), d, at)
+            rejoin = (d, lambda: rest)
+        if rest is None or not self.rejoin:
+            return self._walk(m, scan, 2 * limit + 8, limit, rejoin=rejoin)
+        # what a walk wrote before in the same lexical place (the same containers, the same keys seen, the same
+        # token), then the parent's rest where the walk rejoins it: certified by the engine.  The far zone asks
+        # for each opener group's certificate at every position, so the same new member after a value, or the
+        # same key after a string's ``","``, was walked again and again
+        place = (_place(scan), _squeezed(self.tok.token_bytes[t], at.in_str, at.esc), rejoin is not None)
+        wrote = self._wrote.get(place)
+        if wrote is not None:
+            c = self._spelled(wrote + rest, limit, m)
+            if c is not None:
+                return c
+        c = self._walk(m, scan, 2 * limit + 8, limit, rejoin=rejoin)
+        if c is not None:
+            text = self._text(c)
+            if text.endswith(rest) and len(text) > len(rest):
+                if len(self._wrote) >= 256:
+                    self._wrote.pop(next(iter(self._wrote)))
+                self._wrote[place] = text[:len(text) - len(rest)]
+        return c
 
     def _scan_of(self, ids: Sequence[int]) -> _Scan:
         s = _Scan()
@@ -1098,7 +1126,9 @@ class CertifiedBudget(Budget):
             jumps = jumps_by[(True, scan.key_buf is not None, kind, far)]
         else:
             jumps = jumps_by[(False, scan.expect_key and kind == "{", kind, far)]
-        bits = np.unpackbits(row.view(np.uint8), bitorder="little")[: self.tok.vocab_size]
+        # (the tokens the tokenizer spells: a model's vocabulary may be wider, Qwen2.5's 151,936 ids for 151,665
+        # tokens, and the ids past them are never allowed; the tables are as long as the tokenizer's list)
+        bits = np.unpackbits(row.view(np.uint8), bitorder="little")[: min(self.tok.vocab_size, len(lens))]
         if jumps is not None and not (far == "all" and whole and scan.in_str and scan.key_buf is None
                                       and int(bits.sum()) <= self.SMALL):
             bits &= jumps[: len(bits)]
