@@ -582,7 +582,8 @@ class CertifiedBudget(Budget):
         self._nexts_held = 0  # (the tokens of their prefixes)
         self._spells: dict = {}  # text -> its spellings (``_spellings``), the last 512
         self._texts: dict = {}  # certificate -> its text (``_text``), the last 256
-        self._wrote: dict = {}  # a lexical place -> what a rejoined walk wrote there (``_next_of``), the last 256
+        self._wrote: dict = {}  # a lexical place -> what a walk wrote there, before the parent's rest where it
+        # rejoined it (``_next_of``: JSON only), the last 256
         # xgrammar 0.2.8 accepts tokens its own mask leaves out (after `"Cla` in an enum's "Classical", `ssi`:
         # accept_token says yes, fill_next_token_bitmask has only `s`): a host samples from the mask, so a
         # certificate must be a way the masks allow (``_MaskChecked``), or the certificate's own next token is not
@@ -912,7 +913,7 @@ class CertifiedBudget(Budget):
             # walk writes it), then the parent's rest
             rest = _after_value(self._text(parent), d, at)
             rejoin = (d, lambda: rest)
-        if rest is None or not self.rejoin:
+        if rest is None or not self.rejoin or not self.json:  # (a JSON scan's places: JSON's alone)
             return self._walk(m, scan, 2 * limit + 8, limit, rejoin=rejoin)
         # what a walk wrote before in the same lexical place (the same containers, the same keys seen, the same
         # token), then the parent's rest where the walk rejoins it: certified by the engine.  The far zone asks
