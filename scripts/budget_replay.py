@@ -36,7 +36,7 @@ def _tokenizer(which: str):
 
     if not smollm2_converted():
         return None
-    return TokenizerInfo.from_file(smollm2_folder_path(), vocab_size=49152)
+    return TokenizerInfo.from_file(smollm2_folder_path())  # (its own width, 49,152)
 
 
 def _documents(tok, max_tokens: int, n: int = 40):
