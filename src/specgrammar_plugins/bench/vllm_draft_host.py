@@ -15,10 +15,11 @@ not timed.  Every draft is committed (the requests walk through their grammars; 
                                       [--masking both|lazy|every] [--clock thread|wall] [--profile N]
                                       [--out-dir ...] [--quick]
 
-Reported per draft step (k positions): ms of host work by phase, and beside it vLLM's own sampling on the same
-logits (``argmax`` of the unmasked rows: what ``draft_model`` does at each position), so that "ours minus vLLM's"
-is the grammar's host cost per draft step on a CPU, and that divided by the batch: our grammar work in us per request
-per draft step.  ``--clock thread`` (the default) times with the CPU time of the benchmark's thread
+Reported per draft step (k positions): ms of host work by phase (begin, plan, sample, advance: our grammar work,
+and divided by the batch, our grammar work in us per request per draft step), our draft argmax (the proposer's
+``_argmax``: numpy's on a CPU), and beside it vLLM's own sampling on the same logits (torch's ``argmax`` of the
+unmasked rows: what ``draft_model`` does at each position), so that "ours minus vLLM's" is what the grammar-aware
+draft step's host work costs beyond vLLM's own on a CPU.  ``--clock thread`` (the default) times with the CPU time of the benchmark's thread
 (``time.thread_time_ns``), steadier than wall-clock on a loaded machine; torch runs on that one thread
 (``torch.set_num_threads(1)``), so its work is in it.  ``--early-ending off``: the early-ending rules
 (``refused_drafts``, ``draft_confidence``) off, every row drafts to k.  ``--profile N``: a cProfile of the lazy
@@ -115,7 +116,7 @@ def run_one(tok, compiled, batch: int, k: int, steps: int, lazy: bool, agree: fl
     import torch
 
     from ..api import HistoryMatcher, RequestState, SpecOptions, make_drafter, mask_words
-    from specgrammar_vllm.draft_proposer import _Step
+    from specgrammar_vllm.draft_proposer import _argmax, _Step
 
     v = tok.vocab_size
     rng = np.random.default_rng(seed)
@@ -133,7 +134,7 @@ def run_one(tok, compiled, batch: int, k: int, steps: int, lazy: bool, agree: fl
         return SimpleNamespace(id=f"r{len(ids)}", st=st, tokens=np.asarray(prompt, dtype=np.int64), accepted=0)
 
     reqs = [fresh(i) for i in range(batch)]
-    ns = {p: 0 for p in (*PHASES, "vllm_argmax")}
+    ns = {p: 0 for p in (*PHASES, "argmax", "vllm_argmax")}
     positions = model_positions = 0
     scratch = np.empty(mask_words(v), dtype=np.int32)
     on, off = (prof.enable, prof.disable) if prof is not None else (lambda: None, lambda: None)
@@ -168,19 +169,27 @@ def run_one(tok, compiled, batch: int, k: int, steps: int, lazy: bool, agree: fl
                         rows[i].block.matcher.fill_mask(scratch)  # matcher, outside the block: not timed)
                         allowed = np.flatnonzero(np.unpackbits(scratch.view(np.uint8), bitorder="little")[:v])
                         logits[i, int(rng.choice(allowed))] = float(logits[i].max()) + 1.0
+                on()
                 t0 = clock()
-                am = logits.argmax(dim=-1)  # vLLM's own draft sampling on the same logits
-                am.tolist()
+                if lazy:  # our draft argmax (the proposer's: numpy's on a CPU), the lazy path's first step
+                    am = _argmax(logits)
+                t1 = clock()
+                off()
+                ns["argmax"] += t1 - t0
+                t0 = clock()
+                logits.argmax(dim=-1).tolist()  # vLLM's own draft sampling on the same logits (torch's argmax)
+                ns["vllm_argmax"] += clock() - t0
                 on()
                 t1 = clock()
-                if lazy:  # (the unmasked argmax is the lazy path's first step: ours starts after it)
+                if lazy:
                     _, toks = prop._lazy(logits, plan, rows, am)
+                    t2 = clock()
                 else:
                     if plan.host or plan.model:
                         prop._apply(logits, prop._eager_rows(plan, batch))
-                    toks = logits.argmax(dim=-1).tolist()
-                t2 = clock()
-                ns["vllm_argmax"] += t1 - t0
+                    t2 = clock()
+                    toks = _argmax(logits).tolist()  # (the masked rows' argmax: ours, not the grammar's)
+                    ns["argmax"] += clock() - t2
                 ns["sample"] += t2 - t1
                 off()
             on()
@@ -201,12 +210,12 @@ def run_one(tok, compiled, batch: int, k: int, steps: int, lazy: bool, agree: fl
     c = prop.grammar.counters
     masked = c["draft_rows_masked"] + c["draft_rows_unmasked"]
     per = {p: ns[p] / steps / 1e6 for p in ns}
-    # the draft step's host work: ours, plus vLLM's unmasked argmax where the lazy path starts from it (masking
-    # every row takes its own argmax of the masked rows instead)
-    host = sum(per[p] for p in PHASES) + (per["vllm_argmax"] if lazy else 0.0)
+    # the draft step's host work: our grammar work (the phases) and our draft argmax (the unmasked one the lazy path
+    # starts from, or the masked rows'), against vLLM's own: its argmax of the same logits
+    host = sum(per[p] for p in PHASES) + per["argmax"]
     return {"batch": batch, "k": k, "lazy": lazy, "early_ending": early_ending, "steps": steps,
             "positions_per_step": positions / steps,
-            "us_per_request": (host - per["vllm_argmax"]) * 1e3 / batch,
+            "us_per_request": sum(per[p] for p in PHASES) * 1e3 / batch,
             "model_positions_per_step": model_positions / steps, "ms": per,
             "host_ms": host, "rows_masked": (c["draft_rows_masked"] / masked if lazy and masked
                                              else (1.0 if masked or not lazy else 0.0))}
@@ -266,12 +275,13 @@ def main(argv: list[str] | None = None) -> int:
           f"V = {tok.vocab_size:,}, k = {a.k}, xgrammar, forced drafter, stand-in draft agreeing with the grammar "
           f"{a.agree:.0%}, early-ending rules {a.early_ending}, {steps} steps per cell; beside it vLLM's own argmax "
           "on the same logits\n")
-    heads = ["constraints", "batch", "masking", "host ms/step", *[f"{p} ms" for p in PHASES], "rows masked",
-             "positions/step", "vLLM argmax ms/step", "ours - vLLM's ms/step", "ours us/request/step"]
+    heads = ["constraints", "batch", "masking", "host ms/step", *[f"{p} ms" for p in PHASES], "our argmax ms",
+             "rows masked", "positions/step", "vLLM argmax ms/step", "ours - vLLM's ms/step",
+             "grammar us/request/step"]
     body = [[r["constraints"], r["batch"], "lazy" if r["lazy"] else "every row", f"{r['host_ms']:.2f}",
-             *[f"{r['ms'][p]:.2f}" for p in PHASES], f"{r['rows_masked']:.0%}", f"{r['positions_per_step']:.2f}",
-             f"{r['ms']['vllm_argmax']:.2f}", f"{r['host_ms'] - r['ms']['vllm_argmax']:.2f}",
-             f"{r['us_per_request']:.0f}"] for r in rows]
+             *[f"{r['ms'][p]:.2f}" for p in PHASES], f"{r['ms']['argmax']:.2f}", f"{r['rows_masked']:.0%}",
+             f"{r['positions_per_step']:.2f}", f"{r['ms']['vllm_argmax']:.2f}",
+             f"{r['host_ms'] - r['ms']['vllm_argmax']:.2f}", f"{r['us_per_request']:.0f}"] for r in rows]
     print(R.md_table(heads, body, right=list(range(1, len(heads)))))
     if prof is not None:
         import pstats
