@@ -244,12 +244,52 @@ def test_lazy_masking_equals_the_masked_argmax_row_for_row(vocab, ties):
     assert counters["draft_rows_ended"] == 0
 
 
+@pytest.mark.parametrize("pad", [0, 64])
+def test_a_refused_rows_allowed_argmax_is_the_masked_rows_argmax(pad):
+    """``_allowed_argmax`` (a refused row's masked argmax on a CPU, at a vocabulary wider than the kernel's share)
+    against the masked row's torch argmax (ids below the vocabulary refused at -inf, ids past it left as the kernel
+    leaves them): rows allowing a few ids (listed) or most (masked in place), the row's own maximum refused, a NaN
+    among the allowed or the refused, every allowed logit -inf (None: the kernel decides)."""
+    import numpy as np
+    import torch
+
+    from specgrammar_vllm.draft_proposer import _numpy_view
+
+    vocab, rows = 9000, 4
+    prop, _ = _bare_proposer(vocab, rows)
+    rng = np.random.default_rng(13)
+    for trial in range(60):
+        logits = torch.from_numpy((rng.standard_normal((rows, vocab + pad)) * 3).astype(np.float32))
+        if trial % 3 == 0:
+            logits[:, vocab:] += 20.0  # (a padded id above every allowed one: the kernel's argmax there)
+        host = _numpy_view(logits)
+        for i in range(rows):
+            allowed = rng.random(vocab) < rng.choice([0.01, 0.5, 0.97])
+            allowed[int(rng.integers(0, vocab))] = True
+            allowed[int(logits[i, :vocab].argmax())] = False  # (a refused row)
+            if trial % 5 == 1:
+                logits[i, int(rng.integers(0, vocab))] = float("nan")
+            if trial % 7 == 2:
+                logits[i, torch.from_numpy(np.flatnonzero(allowed))] = float("-inf")
+            row = np.packbits(np.concatenate([allowed, np.zeros((-vocab) % 32, dtype=bool)]),
+                              bitorder="little").view(np.int32)
+            masked = logits[i].clone()
+            masked[:vocab][torch.from_numpy(~allowed)] = float("-inf")
+            want = int(masked.argmax())
+            got = prop._allowed_argmax(logits, i, row, host)
+            if got is None:  # every allowed logit -inf, and none past the vocabulary above it
+                assert float(masked[want]) == float("-inf"), (trial, i)
+            else:
+                assert got == want, (trial, i, got, want)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_arbiters_masked_top_is_the_masked_laws_argmax_and_probability(dtype):
     """``_masked_top`` (the draft arbiter's judge of a host draft) against the masked law in float64: the first
-    allowed maximum, and its probability in softmax(mask(logits)) to 1e-6, for rows allowing a few tokens or all
-    of a 49,152-token vocabulary (float32 exponentials since this stop), from numpy's view of the logits and from
-    torch's; nothing finite allowed answers (-1, 0.0)."""
+    allowed maximum, and its probability in softmax(mask(logits)) to 1e-6, for rows allowing a few tokens, most
+    (the row's own maximum allowed or not) or all of a 49,152-token vocabulary (float32 exponentials), logits padded
+    past the vocabulary, from numpy's view of the logits and from torch's; nothing finite allowed, or a NaN, answers
+    (-1, 0.0)."""
     import numpy as np
     import torch
 
@@ -258,12 +298,16 @@ def test_the_arbiters_masked_top_is_the_masked_laws_argmax_and_probability(dtype
     vocab, rows = 49152, 3
     prop, _ = _bare_proposer(vocab, rows)
     rng = np.random.default_rng(11)
-    logits = torch.from_numpy((rng.standard_normal((rows, vocab)) * 4).astype(np.float32)).to(getattr(torch, dtype))
-    wide = logits.double().numpy()
-    for share in (0.0005, 0.3, 1.0):
+    padded = torch.from_numpy((rng.standard_normal((rows, vocab + 64)) * 4).astype(np.float32))
+    padded[:, vocab:] = 50.0  # (ids past the vocabulary, as a padded lm head has them: never the masked top)
+    logits = padded.to(getattr(torch, dtype))
+    wide = logits[:, :vocab].double().numpy()
+    for share in (0.0005, 0.3, 0.97, 1.0):
         for i in range(rows):
             allowed = rng.random(vocab) < share
             allowed[int(rng.integers(0, vocab))] = True
+            if share > 0.9 and i == 1:  # the row's own maximum refused (a wide row's other way)
+                allowed[int(wide[i].argmax())] = False
             bits = np.concatenate([allowed, np.zeros((-vocab) % 32, dtype=bool)])
             row = np.packbits(bits, bitorder="little").view(np.int32)
             z = np.where(allowed, wide[i], -np.inf)
@@ -275,6 +319,8 @@ def test_the_arbiters_masked_top_is_the_masked_laws_argmax_and_probability(dtype
     logits[0, :] = float("-inf")
     row = np.full((vocab + 31) // 32, -1, dtype=np.int32)
     assert prop._masked_top(logits, 0, row, _numpy_view(logits)) == (-1, 0.0)
+    logits[1, 7] = float("nan")  # a NaN: the first allowed NaN is the masked argmax, which has no probability
+    assert prop._masked_top(logits, 1, row, _numpy_view(logits)) == (-1, 0.0)
 
 
 def test_the_draft_argmax_is_torchs_argmax():
