@@ -113,6 +113,28 @@ def test_outputs_longer_than_max_tokens_come_back_complete_and_valid(greedy):
         assert not any(_valid(r.spec, o.text) for o in r.blind)
 
 
+def test_a_prompt_that_leaves_less_room_than_max_tokens_gets_a_budget_of_that_room(engines):
+    """vLLM 0.32's offline engine ends a request at the context's end (finish reason "length") without clamping
+    ``max_tokens`` to the room its prompt leaves in ``max_model_len``: the budget is built from that room
+    (``budget_mask.tokens_left``), so the answer comes back complete and valid within it, plain and speculative
+    alike; without the mask the same request is cut off there (14 of 56 SmolLM2 answers were, before)."""
+    spec, room = ConstraintSpec.json_schema(SCHEMA), 24
+    limit = engines.plain.llm_engine.model_config.max_model_len
+    base = list(engines.plain.get_tokenizer().encode(PROMPTS[1]))
+    ids = (base * (limit // len(base) + 1))[: limit - room]
+    out = {}
+    for mask in (True, False):
+        extra = None if mask else {"specgrammar": {"budget_mask": False}}
+        params = sampling_params(spec, max_tokens=4 * room, temperature=0.0, extra_args=extra)
+        out[mask] = [llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+                     for llm in (engines.plain, engines.spec)]
+    for o in out[True]:
+        assert o.finish_reason == "stop" and len(o.token_ids) <= room and _valid(spec, o.text), (o.text, o.finish_reason)
+    assert list(out[True][0].token_ids) == list(out[True][1].token_ids)
+    assert all(o.finish_reason == "length" and not _valid(spec, o.text) for o in out[False]), \
+        [(o.finish_reason, o.text) for o in out[False]]
+
+
 def _law(llm, spec, mask=True) -> Counter:
     extra = None if mask else {"specgrammar": {"budget_mask": False}}
     params = [sampling_params(spec, max_tokens=LAW_MAX, temperature=1.0, seed=i, extra_args=extra)

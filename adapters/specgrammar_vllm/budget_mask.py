@@ -210,9 +210,9 @@ def grammar_tokenizer(hf, vocab_size: int, engine: str):
 
 
 def build(manager, request, made: list | None = None):
-    """The request's core ``Budget`` (None: no constraint we map, no max_tokens, or the mask is off); raises
-    ``BudgetError`` when the shortest completion does not fit.  ``made``: our compiled constraint is appended to it
-    (``_create_grammar`` watches it after a costly compile)."""
+    """The request's core ``Budget`` (None: no constraint we map, no max_tokens, or the mask is off) for the tokens it
+    can generate (``tokens_left``); raises ``BudgetError`` when the shortest completion does not fit.  ``made``: our
+    compiled constraint is appended to it (``_create_grammar`` watches it after a costly compile)."""
     from specgrammar_plugins.api import SpecOptions, row_budget, with_stops
 
     from .structured import ENGINES, compile_as_enforced, engine_options, spec_from_params
@@ -236,7 +236,20 @@ def build(manager, request, made: list | None = None):
     compiled, _ = compile_as_enforced(spec, tok, engine, options)
     if made is not None:
         made.append(compiled)
-    return row_budget(compiled, SpecOptions(), int(sp.max_tokens), FAR)  # (its tables made here, not in the step)
+    # (its tables made here, not in the step)
+    return row_budget(compiled, SpecOptions(), tokens_left(manager.vllm_config, request, int(sp.max_tokens)), FAR)
+
+
+def tokens_left(vllm_config, request, max_tokens: int) -> int:
+    """The tokens the request can generate: ``max_tokens``, or fewer where the prompt leaves less room in the model's
+    context (``max_model_len``): vLLM 0.32's offline ``LLM.generate`` does not clamp ``max_tokens`` to it, and ends
+    such a request at the context's end (finish reason "length"), so a budget of ``max_tokens`` let 14 of 56
+    SmolLM2 answers be cut off unfinished (docs/BENCHMARKS.md, "A longer budget, and a gap it shows")."""
+    limit = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+    prompt = getattr(request, "num_prompt_tokens", None)
+    if not isinstance(limit, int) or not isinstance(prompt, int):
+        return max_tokens
+    return max(0, min(max_tokens, limit - prompt))
 
 
 def bound_compile_cache() -> None:
