@@ -67,7 +67,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 
 from specgrammar_plugins.api import (DRAFT_CONFIDENCE, REFUSED_DRAFTS, BatchDrafter, EnoughDrafts,
                                      allowed_ids, draft_confidence_option, mask_allows, mask_words,
-                                     refused_drafts_option)
+                                     refused_drafts_option, unpack_mask)
 from specgrammar_plugins.api import Plan as _Plan  # noqa: F401  (the batch layer's, by their former names here)
 from specgrammar_plugins.api import Row as _Row
 from specgrammar_plugins.api import Step as _Step
@@ -314,13 +314,12 @@ class GrammarDrafting:
         there (a torch op per row costs more than its few hundred elements), else torch's."""
         vocab = self._vocab
         width = logits.shape[-1]
-        if host is not None and not host[1] and np.count_nonzero(row) * 8 > len(row):
+        if _wide(row, host):
             # a wide row: its refused ids at -inf in a copy of the row and one argmax (ids past the vocabulary stay,
             # as the kernel leaves them), without listing the allowed ids and gathering their logits (at 151,936
-            # tokens, 97% allowed: 347 -> ~230 us a row; 118 -> 77 at 49,152)
+            # tokens, 97% allowed: 347 -> ~250 us a row; 118 -> ~85 at 49,152)
             v = host[0][i]
-            bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab].view(bool)
-            vals = np.where(bits, v[:vocab], np.float32(-np.inf))
+            vals = np.where(unpack_mask(row, vocab), v[:vocab], np.float32(-np.inf))
             if width > vocab:
                 vals = np.concatenate([vals, v[vocab:]])
             j = int(vals.argmax())  # (numpy's argmax, as torch's, takes the first NaN as the maximum)
@@ -345,18 +344,18 @@ class GrammarDrafting:
         masked law softmax(mask(logits)) (the draft arbiter's ``top``); (-1, 0.0) where nothing allowed has a finite
         logit.  ``host``: the logits as numpy sees them (``_numpy_view``, taken once per position), else torch's."""
         vocab = self._vocab
-        if host is not None and not host[1] and np.count_nonzero(row) * 8 > len(row):
+        if _wide(row, host):
             # a wide row (a string's content: most of the vocabulary): where the row's own first maximum is
             # allowed it is the masked one (an allowed id before it with the same logit would be the row's first
             # maximum), and the masked law's sum is taken over the row's bits in place, without listing the
-            # allowed ids and gathering their logits (275 -> ~130 us a call at 49,152 tokens, warm)
+            # allowed ids and gathering their logits (275 -> ~140 us a call at 49,152 tokens, warm)
             v = host[0][i][:vocab]
             j = int(v.argmax())  # (a NaN anywhere is numpy's maximum: then the listed ids below decide)
             best = v[j]
             if np.isfinite(best) and mask_allows(row, j):
                 e = np.subtract(v, best)
                 np.exp(e, out=e)
-                np.multiply(e, np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab].view(bool), out=e)
+                np.multiply(e, unpack_mask(row, vocab), out=e)
                 return j, float(1.0 / e.sum(dtype=np.float64))  # (a sum with where= is ~3x slower)
         ids = allowed_ids(row, vocab, self._ids_cache)
         if not len(ids):
@@ -523,6 +522,13 @@ def _argmax(logits):
         if host is not None:
             return torch.from_numpy(host[0].argmax(axis=1).astype(np.int64, copy=False))
     return logits.argmax(dim=-1)
+
+
+def _wide(row: np.ndarray, host) -> bool:
+    """Whether a packed ``row`` is wide (more than 1/8 of its words nonzero: what ``allowed_ids`` unpacks whole, a
+    string's content) and the logits are numpy's float32 (``_numpy_view``): masked in place then, not by listing
+    the allowed ids and gathering their logits."""
+    return host is not None and not host[1] and np.count_nonzero(row) * 8 > len(row)
 
 
 def _ids_tensor(ids: np.ndarray, device):
